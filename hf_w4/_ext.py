@@ -1,0 +1,37 @@
+"""Loads the compiled op library (hf_w4/_C*.so) once. Never raises: a failed load is remembered
+and reported by kernels through ``load_error()``."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Optional
+
+import torch
+
+_state = {"loaded": None, "error": None}
+
+
+def load() -> bool:
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    from . import ops  # noqa: F401  (schemas must exist before the library registers impls)
+    here = os.path.dirname(os.path.abspath(__file__))
+    libs = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+    if os.environ.get("HF_W4_NO_EXT") == "1":
+        _state["loaded"], _state["error"] = False, "disabled by HF_W4_NO_EXT=1"
+    elif not libs:
+        _state["loaded"], _state["error"] = False, (
+            "the compiled library hf_w4/_C*.so is not built (pip install --no-build-isolation -e . "
+            "or python setup.py build_ext --inplace)")
+    else:
+        try:
+            torch.ops.load_library(libs[0])
+            _state["loaded"] = True
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            _state["loaded"], _state["error"] = False, f"loading {libs[0]} failed: {e}"
+    return _state["loaded"]
+
+
+def load_error() -> Optional[str]:
+    load()
+    return _state["error"]

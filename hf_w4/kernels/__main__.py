@@ -1,0 +1,3 @@
+from .registry import support_matrix
+
+print(support_matrix())

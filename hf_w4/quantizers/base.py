@@ -1,0 +1,206 @@
+"""One ``HfQuantizer`` for all formats: the module swap before loading, the kernel repack after it.
+
+Per-method subclasses only name their method (they are what ``AUTO_QUANTIZER_MAPPING`` points at).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+from transformers.quantizers.base import HfQuantizer
+
+from .. import checkpoint, formats, layouts
+from ..checkpoint import CheckpointError
+from ..nn import QuantLinear
+from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
+
+logger = logging.getLogger("hf_w4")
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optional[Dict[str, checkpoint.TensorInfo]],
+                   activation: Optional[str] = None, skip=()) -> int:
+    """Swap every ``nn.Linear`` the config quantizes for a :class:`QuantLinear` declaring exactly the tensors
+    the checkpoint holds. With ``headers`` (from the safetensors files), every mismatch between config and
+    files is raised here, before any tensor is read. Returns the number of modules replaced."""
+    count = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        stored = checkpoint.module_tensors(headers, name) if headers is not None else None
+        spec = fmt.spec_for(name, type(mod).__name__)
+        if spec is not None and any(name == s or name.startswith(s + ".") for s in skip):
+            spec = None
+        if spec is None:
+            if stored and "weight" not in stored and set(stored) - {"bias"}:
+                raise CheckpointError(f"{name}: the config leaves this module dense, but the checkpoint holds "
+                                      f"quantized tensors {sorted(stored)} and no dense 'weight'")
+            if stored is not None and "weight" in stored and stored["weight"].dtype in (torch.uint8,):
+                raise CheckpointError(f"{name}.weight: the config leaves this module dense, but the checkpoint "
+                                      f"stores it as {stored['weight'].dtype_name} {list(stored['weight'].shape)}")
+            continue
+        n, k = mod.out_features, mod.in_features
+        has_bias = mod.bias is not None if stored is None else "bias" in stored
+        spec = spec.replace(has_bias=has_bias)
+        if spec.layout == "gptq":
+            spec = spec.replace(has_g_idx=spec.desc_act if stored is None else "g_idx" in stored)
+            if spec.desc_act and not spec.has_g_idx:
+                raise CheckpointError(f"{name}.g_idx: missing from the checkpoint, but the config says desc_act: true "
+                                      "(act-order needs g_idx)")
+        if spec.weight_type == "nvfp4" and stored is not None:
+            key = "input_global_scale" if spec.layout == "ct_nvfp4" else "input_scale"
+            spec = spec.replace(has_input_scale=key in stored)
+        if activation is not None:
+            spec = spec.replace(act=activation)
+        decls = layouts.declare(spec, n, k, name)
+        dtypes = {}
+        for t, d in decls.items():
+            if stored is None:
+                dtypes[t] = d.dtypes[0]
+                continue
+            if t not in stored:
+                raise CheckpointError(
+                    f"{name}.{t}: missing from the checkpoint; {spec.method} ({spec.describe()}) expects shape "
+                    f"{list(d.shape)} dtype {str(d.dtypes[0]).replace('torch.', '')}"
+                    + (f" (found instead: {sorted(stored)})" if stored else " (no tensors stored for this module)"))
+            info = stored[t]
+            if info.shape != tuple(d.shape):
+                raise CheckpointError(f"{name}.{t}: shape {list(info.shape)} does not match the config "
+                                      f"({spec.describe()}, in={k}, out={n}): expected {list(d.shape)}")
+            if info.dtype not in d.dtypes:
+                raise CheckpointError(f"{name}.{t}: dtype {info.dtype_name} is not supported for this tensor; "
+                                      f"expected one of {[str(x).replace('torch.', '') for x in d.dtypes]}")
+            dtypes[t] = info.dtype
+        if stored is not None:
+            extra = set(stored) - set(decls) - {"bias"}
+            if extra:
+                raise CheckpointError(f"{name}: unexpected tensor(s) {sorted(extra)} for {spec.method} "
+                                      f"({spec.describe()}); expected {sorted(decls)}")
+            if has_bias and stored["bias"].shape != (n,):
+                raise CheckpointError(f"{name}.bias: shape {list(stored['bias'].shape)}, expected [{n}]")
+        bias_dtype = (stored["bias"].dtype if stored is not None and has_bias else
+                      mod.bias.dtype if mod.bias is not None else None)
+        ql = QuantLinear(spec, k, n, name, {t: (decls[t].shape, dtypes[t]) for t in decls}, bias_dtype=bias_dtype)
+        _set_module(model, name, ql)
+        count += 1
+    return count
+
+
+class HfW4Quantizer(HfQuantizer):
+    """Loads pre-quantized checkpoints of one ``quant_method`` into :class:`QuantLinear` modules."""
+
+    METHOD = ""
+    requires_calibration = True
+
+    def __init__(self, quantization_config, **kwargs):
+        cfg = quantization_config
+        if not isinstance(cfg, HfW4ConfigMixin):
+            cfg = CONFIGS[self.METHOD].from_config(cfg)
+        if self.METHOD == "modelopt" and kwargs.get("pre_quantized") is False:
+            # a ModelOpt export that only has hf_quant_config.json: read it before loading (see preprocess)
+            kwargs["pre_quantized"] = True
+            self._modelopt_from_file = True
+        super().__init__(cfg, **kwargs)
+        self.options = cfg.get_loading_attributes()
+        self.format: Optional[formats.FormatConfig] = None
+
+    # -- environment
+    def validate_environment(self, device_map=None, **kwargs):
+        if isinstance(device_map, dict) and "disk" in {str(v) for v in device_map.values()}:
+            raise NotImplementedError("hf_w4: disk offload of quantized modules is not supported; "
+                                      "use a device_map without 'disk' entries")
+
+    def update_dtype(self, dtype):
+        return self.options.get("compute_dtype") or dtype
+
+    def update_parallel_plan(self, model, plan):
+        pass  # packed tensors carry no generic sharding plan
+
+    # -- loading
+    def _checkpoint_dict(self, checkpoint_files) -> dict:
+        raw = self.quantization_config.checkpoint_dict()
+        if getattr(self, "_modelopt_from_file", False) or raw.keys() <= {"quant_method"}:
+            d = os.path.dirname(str(checkpoint_files[0])) if checkpoint_files else None
+            path = os.path.join(d, "hf_quant_config.json") if d else None
+            if not path or not os.path.exists(path):
+                raise CheckpointError(f"{self.METHOD}: the checkpoint has no quantization_config in config.json "
+                                      f"and no hf_quant_config.json next to its weights ({d})")
+            with open(path) as f:
+                hq = json.load(f)
+            raw = {"quant_method": "modelopt", **hq.get("quantization", {}), "producer": hq.get("producer")}
+            self.quantization_config._raw = raw
+        return raw
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        self.format = formats.parse(self._checkpoint_dict(checkpoint_files))
+        headers = checkpoint.read_headers(checkpoint_files) if checkpoint_files else None
+        skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
+        act = ACTIVATION_MODES[self.options["activation"]]
+        n = replace_linear(model, self.format, headers, activation=act, skip=skip)
+        if n == 0:
+            logger.warning("hf_w4: the %s config quantizes no Linear module of this model", self.METHOD)
+        lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(lm, QuantLinear) and getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+            # a quantized lm_head cannot share the embedding's dense weight: untie it
+            model.config.get_text_config().tie_word_embeddings = False
+            model.config.tie_word_embeddings = False
+            tied = getattr(model, "all_tied_weights_keys", None) or {}
+            for key in [k for k in tied if k.startswith(lm.name + ".")]:
+                tied.pop(key)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        dtype = self.options.get("compute_dtype") or getattr(model, "dtype", None) or torch.float32
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.check_loaded()
+                for p in m.parameters(recurse=False):
+                    p.requires_grad_(False)
+                m.select_kernel(dtype, force=self.options["kernel"], deny=self.options["disabled_kernels"])
+        if self.options.get("dequantize"):
+            self._dequantize(model, dtype)
+        return model
+
+    # -- saving / dequantizing
+    def is_serializable(self, safe_serialization=None):
+        return True
+
+    @property
+    def is_trainable(self):
+        return False
+
+    def get_state_dict_and_metadata(self, model):
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.check_loaded()  # refuse before any file is written
+        return None, {}
+
+    def _dequantize(self, model, dtype=None):
+        for name, m in list(model.named_modules()):
+            if isinstance(m, QuantLinear):
+                w = m.dequantize_weight()
+                lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.device,
+                                dtype=dtype or w.dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+                    if m.bias is not None:
+                        lin.bias.copy_(m.bias)
+                lin.requires_grad_(False)
+                _set_module(model, name, lin)
+        return model
+
+
+def _quantizer(method: str):
+    cls_name = "HfW4" + "".join(p.capitalize() for p in method.replace("-", " ").split()) + "Quantizer"
+    return type(cls_name, (HfW4Quantizer,), {"METHOD": method, "__module__": __name__})
+
+
+QUANTIZERS = {m: _quantizer(m) for m in CONFIGS}

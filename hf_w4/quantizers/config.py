@@ -1,0 +1,120 @@
+"""hf_w4's quantization config classes.
+
+Each subclasses the transformers class of the same name (so transformers' class-name check and its
+``LOADING_ATTRIBUTES_CONFIG_TYPES`` isinstance check accept it), never imports a producer library, keeps
+the checkpoint's ``quantization_config`` dict verbatim (``to_dict`` returns it, so ``save_pretrained``
+writes the producer's own config back), and carries hf_w4's loading attributes:
+
+* ``kernel``: ``"auto"`` or a kernel name (``python -m hf_w4.kernels`` lists them) to force;
+* ``disabled_kernels``: kernel names never to use;
+* ``activation``: ``"auto"`` (what the checkpoint says), ``"none"`` (weight-only), ``"int8"`` (dynamic
+  per-token int8 activations, W4A8/W8A8), ``"int8_group"`` (per token and weight group);
+* ``compute_dtype``: dtype of activations and dense parts (default: the ``dtype`` given to from_pretrained);
+* ``dequantize``: load, then replace every quantized Linear by a dense ``nn.Linear``.
+
+Constructing one of these classes installs hf_w4's takeover (``hf_w4.install()``): it is an explicit
+statement that hf_w4 should load the checkpoint (see the README for why).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional
+
+import torch
+import transformers
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+LOADING_ATTRIBUTES: Dict[str, Any] = {"kernel": "auto", "disabled_kernels": (), "activation": "auto",
+                                      "compute_dtype": None, "dequantize": False}
+ACTIVATION_MODES = {"auto": None, "none": "none", "int8": "int8_token", "int8_token": "int8_token",
+                    "int8_group": "int8_group"}
+
+
+def _check(name: str, value):
+    if name == "activation" and value not in ACTIVATION_MODES:
+        raise ValueError(f"activation={value!r} is not supported; supported: {sorted(ACTIVATION_MODES)}")
+    if name == "compute_dtype" and isinstance(value, str):
+        value = getattr(torch, value.replace("torch.", ""))
+    if name == "disabled_kernels":
+        value = tuple([value] if isinstance(value, str) else value or ())
+    return value
+
+
+class HfW4ConfigMixin:
+    METHOD: str = ""
+    _raw: Optional[dict] = None
+
+    def __init__(self, **loading):
+        unknown = set(loading) - set(LOADING_ATTRIBUTES)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unknown argument(s) {sorted(unknown)}; "
+                            f"loading attributes: {sorted(LOADING_ATTRIBUTES)}")
+        self._raw = None
+        self.quant_method = self.METHOD
+        for k, d in LOADING_ATTRIBUTES.items():
+            setattr(self, k, _check(k, loading.get(k, d)))
+        from ..integration import install
+        install()
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        obj = cls.__new__(cls)
+        raw = copy.deepcopy(dict(config_dict))
+        for k, v in raw.items():   # expose the checkpoint keys as attributes, like transformers' classes do
+            if isinstance(k, str) and k.isidentifier() and k not in LOADING_ATTRIBUTES:
+                obj.__dict__[k] = v
+        obj._raw = raw
+        obj.quant_method = cls.METHOD
+        for k, d in LOADING_ATTRIBUTES.items():
+            setattr(obj, k, _check(k, kwargs.pop(k, d)))
+        return (obj, kwargs) if return_unused_kwargs else obj
+
+    @classmethod
+    def from_config(cls, cfg) -> "HfW4ConfigMixin":
+        """Wrap a config parsed by another class (e.g. transformers' AutoRoundConfig), keeping loading attributes."""
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        d = {k: getattr(v, "value", v) for k, v in d.items() if k not in LOADING_ATTRIBUTES}
+        return cls.from_dict(d, **{k: getattr(cfg, k) for k in LOADING_ATTRIBUTES if hasattr(cfg, k)})
+
+    def checkpoint_dict(self) -> dict:
+        return copy.deepcopy(self._raw) if self._raw is not None else {"quant_method": self.METHOD}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return self.checkpoint_dict()
+
+    def to_diff_dict(self) -> Dict[str, Any]:
+        return self.to_dict()
+
+    def get_loading_attributes(self) -> Dict[str, Any]:
+        return {k: getattr(self, k, d) for k, d in LOADING_ATTRIBUTES.items()}
+
+    def __setattr__(self, name, value):
+        if name in LOADING_ATTRIBUTES:
+            value = _check(name, value)
+        object.__setattr__(self, name, value)
+
+    def __repr__(self):
+        return f"{type(self).__module__}.{type(self).__name__}({self.to_dict()}, loading={self.get_loading_attributes()})"
+
+
+class GPTQConfig(HfW4ConfigMixin, transformers.GPTQConfig):
+    METHOD = "gptq"
+
+
+class AwqConfig(HfW4ConfigMixin, transformers.AwqConfig):
+    METHOD = "awq"
+
+
+class AutoRoundConfig(HfW4ConfigMixin, transformers.AutoRoundConfig):
+    METHOD = "auto-round"
+
+
+class CompressedTensorsConfig(HfW4ConfigMixin, transformers.CompressedTensorsConfig):
+    METHOD = "compressed-tensors"
+
+
+class ModelOptConfig(HfW4ConfigMixin, QuantizationConfigMixin):
+    METHOD = "modelopt"
+
+
+CONFIGS = {c.METHOD: c for c in (GPTQConfig, AwqConfig, AutoRoundConfig, CompressedTensorsConfig, ModelOptConfig)}
