@@ -23,4 +23,4 @@ ext = Ext("hf_w4._C", sources + cuda, include_dirs=[os.path.abspath("csrc")],
           extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]} if cuda else cxx,
           extra_link_args=["-fopenmp"], py_limited_api=False)
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+setup(ext_modules=[ext] if sources else [], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
