@@ -216,3 +216,10 @@ def test_extra_repr_and_report(written):
     assert "format=awq:awq int4 g128" in r and "kernel=" in r
     rep = hf_w4.kernel_report(model)
     assert "model.layers.0.self_attn.q_proj" in rep and "->" in rep
+
+
+def test_compute_dtype_loading_attribute(written):
+    res = written("awq", {})
+    assert AutoModelForCausalLM.from_pretrained(res.path).dtype == torch.bfloat16          # config.json's dtype
+    model = AutoModelForCausalLM.from_pretrained(res.path, quantization_config=hf_w4.AwqConfig(compute_dtype="float32"))
+    assert model.dtype == torch.float32
