@@ -15,3 +15,119 @@ def has_impl(op: str, device: str = "CPU") -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"hf_w4::{op}", device)
     except RuntimeError:
         return False
+
+
+# ---- W4A16 (cpu_w4a16)
+# Kernel layout (see csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns),
+# scales fp32 [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]), zs fp32 [P, G, 32] = zero*scale
+# (asymmetric int4 only, else an empty tensor). gemm: isa "" = auto (env HF_W4_ISA caps it),
+# "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear.
+lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
+           "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
+lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
+           "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
+
+
+def _w4a16_panels(n: int) -> int:
+    return (n + 31) // 32
+
+
+@torch.library.register_fake("hf_w4::cpu_w4a16_repack")
+def _cpu_w4a16_repack_fake(codes, pack_dim, slots, scales, zeros, perm, n, k, group_size, weight_type):
+    gs = 16 if weight_type == "nvfp4" else group_size
+    p, g = _w4a16_panels(n), k // gs
+    q = codes.new_empty((p, k // 2, 32), dtype=torch.uint8)
+    s = codes.new_empty((p, g, 32), dtype=torch.uint8 if weight_type == "nvfp4" else torch.float32)
+    z = codes.new_empty((p if (zeros is not None and weight_type != "nvfp4") else 0, g, 32), dtype=torch.float32)
+    return q, s, z
+
+
+@torch.library.register_fake("hf_w4::cpu_w4a16_gemm")
+def _cpu_w4a16_gemm_fake(x, qpack, scales, zs, perm, bias, n, group_size, weight_type, global_scale=1.0,
+                         isa="", path=-1):
+    torch._check(x.dim() == 2, lambda: "cpu_w4a16_gemm: x must be 2-D")
+    return x.new_empty((x.shape[0], n))
+
+
+def cpu_w4a16_repack(qw, perm=None):
+    """QWeight -> (qpack, scales, zs) in the cpu_w4a16 kernel layout (one layer; streams, no dense copy)."""
+    from . import _ext
+    _ext.load()
+    return torch.ops.hf_w4.cpu_w4a16_repack(
+        qw.codes, qw.pack_dim, list(qw.slots), qw.scales, qw.zeros, perm, qw.n, qw.k, qw.group_size,
+        qw.weight_type)
+
+
+def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, bias=None, global_scale=1.0,
+                   isa="", path=-1):
+    """y = x @ W^T (+ bias) in x.dtype for 2-D x; W given in the cpu_w4a16 layout."""
+    from . import _ext
+    _ext.load()
+    return torch.ops.hf_w4.cpu_w4a16_gemm(x, qpack, scales, zs, perm, bias, n, group_size, weight_type,
+                                          float(global_scale), isa, path)
+
+
+# ---- int8 (cpu_int8)
+# W8A8 / W4A8 with dynamic int8 activations (vpdpbusd). Kernel layout (see csrc/cpu/int8_gemm.h):
+# packed uint8 [P, panel_bytes] (P = ceil(N/64) panels of 64 columns; K permuted by act-order, each group
+# padded to a multiple of 8; int8: u8 = w + 128 in VNNI-4 quads, int4: nibble pairs of quads), scales fp32
+# [P, G, 64], zeros int32 [P, G, 64] (asymmetric int4, else an empty tensor). isa "" = auto (env HF_W4_ISA
+# caps it: avx512 | avx2 | generic; auto also uses AMX-INT8 for M >= 32 where available, HF_W4_AMX=0 disables);
+# "amx" | "avx512" | "avx2" | "avxvnni" | "avx2novnni" | "generic" force a path (an error if the CPU lacks it).
+lib.define("int8_isa(str isa=\"\") -> str")
+lib.define("int8_repack(Tensor codes, str weight_type, int pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
+           "Tensor? perm, int n, int k, int group_size) -> (Tensor, Tensor, Tensor)")
+lib.define("int8_quant_act(Tensor x, int group_size=-1, str isa=\"\") -> (Tensor, Tensor)")
+lib.define("int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "
+           "str weight_type, int n, int k, int group_size, bool act_group=False, str isa=\"\") -> Tensor")
+
+
+def _int8_geometry(n: int, k: int, group_size: int, weight_type: str):
+    gs = k if group_size <= 0 else group_size
+    g = k // gs
+    kp = g * ((gs + 7) // 8 * 8)
+    p = (n + 63) // 64
+    return p, g, kp * 64 if weight_type == "int8" else kp * 32
+
+
+@torch.library.register_fake("hf_w4::int8_repack")
+def _int8_repack_fake(codes, weight_type, pack_dim, slots, scales, zeros, perm, n, k, group_size):
+    p, g, pb = _int8_geometry(n, k, group_size, weight_type)
+    return (codes.new_empty((p, pb), dtype=torch.uint8), codes.new_empty((p, g, 64), dtype=torch.float32),
+            codes.new_empty((p, g, 64) if zeros is not None else (0,), dtype=torch.int32))
+
+
+@torch.library.register_fake("hf_w4::int8_quant_act")
+def _int8_quant_act_fake(x, group_size=-1, isa=""):
+    k = x.shape[-1]
+    ng = 1 if group_size <= 0 or group_size == k else k // group_size
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], ng), dtype=torch.float32)
+
+
+@torch.library.register_fake("hf_w4::int8_gemm")
+def _int8_gemm_fake(x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size, act_group=False, isa=""):
+    torch._check(x.shape[-1] == k, lambda: f"int8_gemm: x has {x.shape[-1]} features, expected K={k}")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def int8_repack(qw, perm=None, as_int4=False):
+    """QWeight (weight_type "int8" or "int4") -> (packed, scales, zeros) in the int8 kernel layout; ``perm``
+    (int64 [K], from ``layouts.act_order_perm``) makes act-order groups contiguous. ``as_int4``: an int8
+    QWeight holding int4 values (-8..7, compressed-tensors W4A8) is packed as int4 (half the bytes; run the
+    gemm with weight_type "int4")."""
+    from . import _ext
+    _ext.load()
+    pack_dim = {"k": 0, "n": 1, "none": 0}[qw.pack_dim]
+    wt = "int4" if as_int4 else qw.weight_type
+    return torch.ops.hf_w4.int8_repack(qw.codes, wt, pack_dim, list(qw.slots), qw.scales, qw.zeros,
+                                       perm, qw.n, qw.k, qw.group_size)
+
+
+def int8_gemm(x, packed, scales, zeros, weight_type, n, k, group_size, perm=None, bias=None, act_group=False,
+              isa=""):
+    """y = fq(x) @ W^T (+ bias) in x.dtype; fq = dynamic symmetric int8 per token (or per token and K-group
+    when ``act_group``), exactly as compressed-tensors quantizes activations."""
+    from . import _ext
+    _ext.load()
+    return torch.ops.hf_w4.int8_gemm(x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size,
+                                     act_group, isa)

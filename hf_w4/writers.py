@@ -203,8 +203,22 @@ def _quantize_nvfp4(w: torch.Tensor, kind: str, name: str) -> RTNResult:
         g = float(torch.tensor(amax / (E2M1_MAX * FP8_MAX), dtype=torch.float32))
         bs = (ba / (E2M1_MAX * g)).clamp(FP8_MIN, FP8_MAX).to(layouts.FP8).to(torch.float32)
         x = _grouped(w, 16) / (bs.unsqueeze(-1) * g)
-    codes = layouts.e2m1_encode(x.reshape(n, k)).to(torch.int64)
+    codes = e2m1_codes(x.reshape(n, k))
     return RTNResult(kind, codes, bs, None, 16, layouts.FP8, g)
+
+
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Same result as :func:`hf_w4.layouts.e2m1_encode` (nearest E2M1 value, ties to the even code, int64),
+    vectorized with ``bucketize`` instead of an 8-way distance table: that one needs ~3 us per weight, i.e.
+    minutes for a 135M-parameter model. Equality with ``e2m1_encode`` is checked in tests/test_writers.py."""
+    a = x.abs().to(torch.float32).clamp(max=E2M1_MAX).contiguous()
+    code = torch.bucketize(a, _E2M1_MIDPOINTS)          # a == midpoint -> the lower code
+    tie = (code < 7) & (a == _E2M1_MIDPOINTS[code.clamp(max=6)]) & (code % 2 == 1)
+    code = code + tie.to(code.dtype)
+    return code | (((x < 0) & (code > 0)).to(code.dtype) << 3)
 
 
 def _dequant(r: RTNResult) -> torch.Tensor:

@@ -29,6 +29,11 @@ def test_gptq_lm_head_flag_and_errors():
     assert formats.parse({"quant_method": "gptq", "bits": 4}).spec_for("lm_head") is None
     with pytest.raises(NotImplementedError, match=r"bits=3 is not supported; supported bits: \[4\]"):
         formats.parse({"quant_method": "gptq", "bits": 3})
+    d = formats.parse({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                       "dynamic": {"-:.*layers\\.0\\.mlp.*": {}, "+:.*layers\\.1\\.mlp.*": {"group_size": 32}}})
+    assert d.spec_for("model.layers.0.mlp.up_proj") is None
+    assert d.spec_for("model.layers.1.mlp.up_proj").group_size == 32
+    assert d.spec_for(L0).group_size == 128
     with pytest.raises(NotImplementedError, match="checkpoint_format 'marlin'"):
         formats.parse({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"})
 
@@ -120,6 +125,7 @@ def test_modelopt_config_json_and_hf_quant_config(algo, inscale):
     f = formats.parse({"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head", "*.mlp.gate"]})
     assert f.spec_for(L0).layout == "modelopt_nvfp4" and f.spec_for(L0).has_input_scale == inscale
     assert f.spec_for("model.layers.3.mlp.gate") is None and f.spec_for("lm_head") is None
+    assert formats.parse({"quant_method": "modelopt", "quant_algo": algo, "ignore": []}).spec_for("lm_head")
     f2 = formats.parse({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": algo, "group_size": 16,
                                                                            "exclude_modules": ["lm_head"]}})
     assert f2.spec_for(L0).weight_type == "nvfp4"

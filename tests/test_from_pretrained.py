@@ -223,3 +223,16 @@ def test_compute_dtype_loading_attribute(written):
     assert AutoModelForCausalLM.from_pretrained(res.path).dtype == torch.bfloat16          # config.json's dtype
     model = AutoModelForCausalLM.from_pretrained(res.path, quantization_config=hf_w4.AwqConfig(compute_dtype="float32"))
     assert model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "modelopt-w4a16", "ct-w4a16", "autoround"])
+def test_ignored_layers_and_quantized_lm_head(tmp_path, tiny_llama, fmt):
+    res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), fmt, ignore=["model.layers.0.mlp.down_proj"],
+                                   quantize_lm_head=True)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(model.lm_head, QuantLinear)
+    twin = res.dense_model().float().eval()
+    x = _tokens()
+    with torch.no_grad():
+        assert _rel(model(x).logits, twin(x).logits) <= 1e-5

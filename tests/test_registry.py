@@ -34,6 +34,7 @@ def test_force_and_deny(monkeypatch):
 def test_env_knobs(monkeypatch):
     monkeypatch.setenv("HF_W4_KERNEL", "torch_reference")
     assert registry.select(SPEC, 256, 256, CPU, torch.float32)[0] is TorchReferenceKernel
+    assert registry.select(SPEC, 256, 256, CPU, torch.float32, force="auto")[0] is TorchReferenceKernel
     monkeypatch.delenv("HF_W4_KERNEL")
     monkeypatch.setenv("HF_W4_DISABLED_KERNELS", ",".join(k.NAME for k in registry.kernels()))
     with pytest.raises(ValueError, match="(?s)no kernel can run .*torch_reference: disabled"):
@@ -63,3 +64,10 @@ def test_support_matrix_is_generated():
     m = registry.support_matrix()
     for k in registry.kernels():
         assert f"| {k.NAME} |" in m
+
+
+def test_readme_matrix_is_generated_from_the_registry():
+    import pathlib
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    assert registry.support_matrix(status=False) in readme, \
+        "README's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"

@@ -28,4 +28,5 @@ def parse(q: dict) -> FormatConfig:
         logger.info("hf_w4: modelopt NVFP4 (W4A4) is served weight-only; input_scale is loaded and kept, not applied")
     spec = W4Spec("modelopt", "modelopt_nvfp4", "nvfp4", 4, 16, True, has_input_scale=ALGOS[algo])
     skip = tuple(q.get("exclude_modules") or q.get("ignore") or ())
-    return FormatConfig("modelopt", spec, rules=[(skip, None)] if skip else [])
+    # ModelOpt quantizes every Linear it does not exclude, lm_head included
+    return FormatConfig("modelopt", spec, rules=[(skip, None)] if skip else [], quantize_lm_head=True)

@@ -1,0 +1,469 @@
+// hf_w4 int8 kernel: AVX-512 (F/BW/VL/DQ + VNNI) path. No torch headers; target attributes per function
+// so the rest of the library stays baseline x86-64.
+#include "int8_gemm.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "int8_gemm.h"
+
+#define HF_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")))
+#define HF_T512I HF_T512 __attribute__((always_inline)) inline
+#ifndef HF_PF
+#define HF_PF 2048  // software prefetch distance of the weight stream (bytes)
+#endif
+
+namespace hf_w4_int8 {
+namespace {
+
+HF_T512I __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// accumulators as named registers (GCC keeps arrays of vectors in memory inside hot loops)
+#define HF_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define HF_DECL(r) __m512i c##r##0, c##r##1, c##r##2, c##r##3;
+// a group's accumulators start at -zero * sum(a) (the u8 offset / zero point compensation), so the epilogue is
+// a plain convert + scale
+#define HF_INIT(r)                                                                   \
+  if constexpr (MR > r) {                                                            \
+    if (load_ci) {                                                                   \
+      c##r##0 = _mm512_loadu_si512(a.ci + r * NR);                                   \
+      c##r##1 = _mm512_loadu_si512(a.ci + r * NR + 16);                              \
+      c##r##2 = _mm512_loadu_si512(a.ci + r * NR + 32);                              \
+      c##r##3 = _mm512_loadu_si512(a.ci + r * NR + 48);                              \
+    } else if (zp) {                                                                 \
+      const __m512i nas = _mm512_set1_epi32(-a.asum[r * a.G + g]);                   \
+      c##r##0 = _mm512_mullo_epi32(_mm512_loadu_si512(zp), nas);                     \
+      c##r##1 = _mm512_mullo_epi32(_mm512_loadu_si512(zp + 16), nas);                \
+      c##r##2 = _mm512_mullo_epi32(_mm512_loadu_si512(zp + 32), nas);                \
+      c##r##3 = _mm512_mullo_epi32(_mm512_loadu_si512(zp + 48), nas);                \
+    } else {                                                                         \
+      c##r##0 = c##r##1 = c##r##2 = c##r##3 = _mm512_set1_epi32(-a.zconst * a.asum[r * a.G + g]); \
+    }                                                                                \
+  }
+#define HF_EPI1(r, J)                                                                \
+  {                                                                                  \
+    const __m512 v = _mm512_cvtepi32_ps(c##r##J);                                    \
+    const __m512 s = a.ascale ? _mm512_mul_ps(sv##J, sx) : sv##J;                    \
+    float* cp = a.cf + r * NR + 16 * J;                                              \
+    _mm512_storeu_ps(cp, first ? _mm512_mul_ps(v, s) : _mm512_fmadd_ps(v, s, _mm512_loadu_ps(cp))); \
+  }
+#define HF_EPI(r)                                                                    \
+  if constexpr (MR > r) {                                                            \
+    const __m512 sx = _mm512_set1_ps(a.ascale ? a.ascale[r * a.G + g] : 1.f);        \
+    HF_EPI1(r, 0) HF_EPI1(r, 1) HF_EPI1(r, 2) HF_EPI1(r, 3)                          \
+  }
+#define HF_SAVE(r)                                                                   \
+  if constexpr (MR > r) {                                                            \
+    _mm512_store_si512(dst + r * NR, c##r##0);                                       \
+    _mm512_store_si512(dst + r * NR + 16, c##r##1);                                  \
+    _mm512_store_si512(dst + r * NR + 32, c##r##2);                                  \
+    _mm512_store_si512(dst + r * NR + 48, c##r##3);                                  \
+  }
+#define HF_STEP4(r)                                                                  \
+  if constexpr (MR > r) {                                                            \
+    const __m512i av = bcast4(A + r * 4);                                            \
+    c##r##0 = _mm512_dpbusd_epi32(c##r##0, b0, av);                                  \
+    c##r##1 = _mm512_dpbusd_epi32(c##r##1, b1, av);                                  \
+    c##r##2 = _mm512_dpbusd_epi32(c##r##2, b2, av);                                  \
+    c##r##3 = _mm512_dpbusd_epi32(c##r##3, b3, av);                                  \
+  }
+#define HF_STEPJ(r, J, BV, OFF)                                                      \
+  if constexpr (MR > r) c##r##J = _mm512_dpbusd_epi32(c##r##J, BV, bcast4(A + OFF + r * 4));
+
+#define HF_OTF_J(J)                                                                  \
+  {                                                                                  \
+    const __m512i raw = _mm512_loadu_si512(B + 64 * J);                              \
+    const __m512i lo = _mm512_and_si512(raw, mask);                                  \
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);            \
+    HF_STEPJ(0, J, lo, 0) HF_STEPJ(1, J, lo, 0) HF_STEPJ(2, J, lo, 0)                \
+    HF_STEPJ(3, J, lo, 0) HF_STEPJ(4, J, lo, 0) HF_STEPJ(5, J, lo, 0)                \
+    HF_STEPJ(0, J, hi, MRA * 4) HF_STEPJ(1, J, hi, MRA * 4) HF_STEPJ(2, J, hi, MRA * 4) \
+    HF_STEPJ(3, J, hi, MRA * 4) HF_STEPJ(4, J, hi, MRA * 4) HF_STEPJ(5, J, hi, MRA * 4) \
+  }
+
+template <int MR, bool OTF>
+HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
+  const int64_t Gp = a.Gp;
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  for (int64_t g = a.s0 / Gp; g * Gp < a.s1; ++g) {
+    const int64_t gs0 = g * Gp > a.s0 ? g * Gp : a.s0;
+    const int64_t gs1 = (g + 1) * Gp < a.s1 ? (g + 1) * Gp : a.s1;
+    const bool load_ci = gs0 % Gp != 0, store_ci = gs1 % Gp != 0;
+    const int32_t* zp = a.zeros ? a.zeros + g * NR : nullptr;
+    HF_ROWS(HF_DECL)
+    HF_ROWS(HF_INIT)
+    const int8_t* A = a.a + (gs0 / 4) * MRA * 4;
+    if constexpr (!OTF) {
+      const uint8_t* B = a.b + (gs0 - a.kb0) * NR;
+      const int64_t nq = (gs1 - gs0) / 4;
+      for (int64_t q = 0; q < nq; ++q) {
+        if (a.stream) {  // one row tile: the weight streams from memory, keep several KiB in flight
+          _mm_prefetch((const char*)B + HF_PF, _MM_HINT_T0);
+          _mm_prefetch((const char*)B + HF_PF + 64, _MM_HINT_T0);
+          _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
+          _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
+        }
+        const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
+        const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);
+        HF_ROWS(HF_STEP4)
+        A += MRA * 4;
+        B += 256;
+      }
+    } else {
+      const uint8_t* B = a.b + (gs0 - a.kb0) * (NR / 2);
+      const int64_t nq2 = (gs1 - gs0) / 8;
+      for (int64_t q2 = 0; q2 < nq2; ++q2) {
+        _mm_prefetch((const char*)B + HF_PF, _MM_HINT_T0);
+        _mm_prefetch((const char*)B + HF_PF + 64, _MM_HINT_T0);
+        _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
+        _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
+        HF_OTF_J(0) HF_OTF_J(1) HF_OTF_J(2) HF_OTF_J(3)
+        A += 2 * MRA * 4;
+        B += 256;
+      }
+    }
+    if (store_ci) {
+      int32_t* dst = a.ci;  // 64-byte aligned scratch rows
+      HF_ROWS(HF_SAVE)
+      continue;
+    }
+    const float* sc = a.scales + g * NR;
+    const __m512 sv0 = _mm512_loadu_ps(sc), sv1 = _mm512_loadu_ps(sc + 16);
+    const __m512 sv2 = _mm512_loadu_ps(sc + 32), sv3 = _mm512_loadu_ps(sc + 48);
+    const bool first = g == 0;
+    HF_ROWS(HF_EPI)
+  }
+}
+
+HF_T512I __m512 load16(const void* x, int t, int64_t i) {
+  if (t == OUT_F32) return _mm512_loadu_ps((const float*)x + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
+  if (t == OUT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+HF_T512I __m256i f32_to_bf16_16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+struct T512 {
+  static constexpr int MR = MRA;
+  static void tile(const TileArgs& a) {
+    if (a.otf) {
+      switch (a.mr) {
+        case 1: tile512<1, true>(a); break;
+        case 2: tile512<2, true>(a); break;
+        case 3: tile512<3, true>(a); break;
+        case 4: tile512<4, true>(a); break;
+        case 5: tile512<5, true>(a); break;
+        default: tile512<6, true>(a); break;
+      }
+    } else {
+      switch (a.mr) {
+        case 1: tile512<1, false>(a); break;
+        case 2: tile512<2, false>(a); break;
+        case 3: tile512<3, false>(a); break;
+        case 4: tile512<4, false>(a); break;
+        case 5: tile512<5, false>(a); break;
+        default: tile512<6, false>(a); break;
+      }
+    }
+  }
+  HF_T512 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int64_t q2 = 0; q2 < nq2; ++q2) {
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + q2 * 256 + HF_PF + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(src + q2 * 256 + 64 * j);
+        _mm512_storeu_si512(dst + q2 * 512 + 64 * j, _mm512_and_si512(raw, mask));
+        _mm512_storeu_si512(dst + q2 * 512 + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+      }
+    }
+  }
+  HF_T512 static void store_rows(const float* cf, int64_t rows, char* out, int64_t ldo, int ot, int64_t ncols,
+                                 const float* afinal, const float* bias) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 sx = _mm512_set1_ps(afinal ? afinal[r] : 1.f);
+      for (int64_t n = 0; n < ncols; n += 16) {
+        const int64_t rem = ncols - n;
+        const __mmask16 m = rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1);
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(cf + r * NR + n), sx);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n));
+        if (ot == OUT_F32) {
+          _mm512_mask_storeu_ps((float*)out + r * ldo + n, m, v);
+        } else {
+          const __m256i h = ot == OUT_BF16 ? f32_to_bf16_16(v)
+                                           : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          _mm256_mask_storeu_epi16((uint16_t*)out + r * ldo + n, m, h);
+        }
+      }
+    }
+  }
+};
+
+HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
+  const Geometry& g = q.g;
+  const int64_t K = g.K, gs = g.gs, Gp = g.Gp;
+  float* buf = (float*)thread_scratch(3, (size_t)(K + 16) * 4);
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  const int es = q.in_type == OUT_F32 ? 4 : 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    int8_t* At = q.A + t * MRA * g.Kp;
+    for (int r = 0; r < MRA; ++r) {
+      const int64_t m = t * MRA + r;
+      // tile layout: quad stride MRA*4 inside the 6-row tile; row-major (AMX): quad stride 4 in row m
+      int8_t* Ar = q.rowmajor ? q.A + m * g.Kp : At + r * 4;
+      const int64_t QS = q.rowmajor ? 4 : MRA * 4;
+      if (m >= q.M) {
+        if (!q.rowmajor)
+          for (int64_t qd = 0; qd < g.Kp / 4; ++qd) std::memset(Ar + qd * QS, 0, 4);
+        continue;
+      }
+      const char* xr = (const char*)q.x + m * q.ldx * es;
+      // row -> fp32 buffer (gathered through the act-order permutation)
+      if (q.perm) {
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t c = q.perm[j];
+          buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[c]
+                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c])
+                                           : f16_to_f32(((const uint16_t*)xr)[c]);
+        }
+      } else {
+        int64_t j = 0;
+        for (; j + 16 <= K; j += 16) _mm512_storeu_ps(buf + j, load16(xr, q.in_type, j));
+        for (; j < K; ++j)
+          buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
+                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[j])
+                                           : f16_to_f32(((const uint16_t*)xr)[j]);
+      }
+      float s_tok = 0.f;
+      if (!q.act_group) {
+        __m512 mx = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
+        float m1 = _mm512_reduce_max_ps(mx);
+        for (; j < K; ++j) m1 = buf[j] < 0 ? (-buf[j] > m1 ? -buf[j] : m1) : (buf[j] > m1 ? buf[j] : m1);
+        s_tok = m1 / 127.5f;
+        if (s_tok == 0.f) s_tok = 1.f;
+        q.ascale[m] = s_tok;
+      }
+      for (int64_t gi = 0; gi < g.G; ++gi) {
+        const float* xg = buf + gi * gs;
+        float s = s_tok;
+        if (q.act_group) {
+          __m512 mx = _mm512_setzero_ps();
+          int64_t j = 0;
+          for (; j + 16 <= gs; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xg + j), absmask));
+          float m1 = _mm512_reduce_max_ps(mx);
+          for (; j < gs; ++j) m1 = xg[j] < 0 ? (-xg[j] > m1 ? -xg[j] : m1) : (xg[j] > m1 ? xg[j] : m1);
+          s = m1 / 127.5f;
+          if (s == 0.f) s = 1.f;
+          q.ascale[m * g.G + gi] = s;
+        }
+        const __m512 sv = _mm512_set1_ps(s);
+        __m512i vsum = _mm512_setzero_si512();
+        int32_t sum = 0;
+        int64_t j = 0;
+        for (; j + 16 <= gs; j += 16) {
+          __m512 v = _mm512_div_ps(_mm512_loadu_ps(xg + j), sv);
+          v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+          const __m512i qi = _mm512_cvtps_epi32(v);
+          vsum = _mm512_add_epi32(vsum, qi);
+          const __m128i q8 = _mm512_cvtepi32_epi8(qi);
+          const int64_t kp = gi * Gp + j;  // multiple of 4 when gs % 4 == 0 ... handled generally below
+          alignas(16) int8_t tmp[16];
+          _mm_store_si128((__m128i*)tmp, q8);
+          if ((kp & 3) == 0) {
+            int8_t* d = Ar + (kp / 4) * QS;
+            std::memcpy(d, tmp, 4);
+            std::memcpy(d + QS, tmp + 4, 4);
+            std::memcpy(d + 2 * QS, tmp + 8, 4);
+            std::memcpy(d + 3 * QS, tmp + 12, 4);
+          } else {
+            for (int e = 0; e < 16; ++e) {
+              const int64_t k2 = kp + e;
+              Ar[(k2 / 4) * QS + k2 % 4] = tmp[e];
+            }
+          }
+        }
+        sum = _mm512_reduce_add_epi32(vsum);
+        for (; j < Gp; ++j) {
+          const int64_t kp = gi * Gp + j;
+          int8_t v = 0;
+          if (j < gs) {
+            float rr = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(xg[j] / s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            rr = rr < -128.f ? -128.f : (rr > 127.f ? 127.f : rr);
+            v = (int8_t)(int)rr;
+          }
+          sum += v;
+          Ar[(kp / 4) * QS + kp % 4] = v;
+        }
+        q.asum[m * g.G + gi] = sum;
+      }
+    }
+  }
+}
+
+
+// ------------------------------------------------------------------------------------------------
+// AMX-INT8 (Intel Sapphire Rapids and later): 32-row x 32-column register tiles, one group at a time (groups
+// of a multiple of 64 columns); int4 panels are decoded to u8 quads once per panel.
+// Weight tiles load straight from the VNNI-4 panels (a B tile = 16 quads x 16 columns, row stride 256 bytes);
+// activations come row-major. Used only when the CPU and the OS allow it (see amx_usable).
+
+#define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+struct alignas(64) TileCfg {
+  uint8_t palette, start_row, rsv[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+HF_TAMX void amx_panel_item(const Plan& p, int64_t item) {
+  const Geometry& g = p.g;
+  const int64_t Kp = g.Kp, Gp = g.Gp, G = g.G, tpg = Gp / 64;  // K tiles per group
+  const int64_t mc = item / g.P, pn = item % g.P;
+  const int64_t m0 = mc * p.mchunk, m1 = (m0 + p.mchunk < p.M) ? m0 + p.mchunk : p.M;
+  const int64_t rows = m1 - m0;
+  const uint8_t* Bp = p.B + pn * p.panel_bytes;
+  if (g.wtype == W_INT4) {  // nibbles -> u8 quads once per panel, reused by every row block (L2)
+    uint8_t* dec = (uint8_t*)thread_scratch(2, (size_t)Kp * NR);
+    T512::decode(Bp, dec, Kp / 8);
+    Bp = dec;
+  }
+  const float* Sp = p.scales + pn * G * NR;
+  const int32_t* Zp = p.zeros ? p.zeros + pn * G * NR : nullptr;
+  float* Cf = (float*)thread_scratch(0, (size_t)((rows + 31) / 32 * 32) * NR * 4);
+  alignas(64) int32_t cb[32 * 32];
+  for (int64_t mb = 0; mb < rows; mb += 32) {
+    const int8_t* A0 = p.A + (m0 + mb) * Kp;
+    const int8_t* A1 = A0 + 16 * Kp;
+    const int64_t nr = rows - mb < 32 ? rows - mb : 32;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* Bh = Bp + 128 * h;
+      for (int64_t gi = 0; gi < G; ++gi) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kt = gi * tpg; kt < (gi + 1) * tpg; ++kt) {
+          _tile_loadd(4, A0 + kt * 64, Kp);
+          _tile_loadd(5, A1 + kt * 64, Kp);
+          _tile_loadd(6, Bh + kt * 16 * 256, 256);
+          _tile_loadd(7, Bh + kt * 16 * 256 + 64, 256);
+          _tile_dpbsud(0, 4, 6);
+          _tile_dpbsud(1, 4, 7);
+          _tile_dpbsud(2, 5, 6);
+          _tile_dpbsud(3, 5, 7);
+        }
+        _tile_stored(0, cb, 128);
+        _tile_stored(1, cb + 16, 128);
+        _tile_stored(2, cb + 16 * 32, 128);
+        _tile_stored(3, cb + 16 * 32 + 16, 128);
+        const float* sc = Sp + gi * NR + 32 * h;
+        const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+        __m512i z0 = _mm512_set1_epi32(p.zconst), z1 = z0;
+        if (Zp) {
+          z0 = _mm512_loadu_si512(Zp + gi * NR + 32 * h);
+          z1 = _mm512_loadu_si512(Zp + gi * NR + 32 * h + 16);
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t m = m0 + mb + r;
+          const __m512i as = _mm512_set1_epi32(p.asum[m * G + gi]);
+          __m512 t0 = s0, t1 = s1;
+          if (p.act_group) {
+            const __m512 sx = _mm512_set1_ps(p.ascale[m * G + gi]);
+            t0 = _mm512_mul_ps(t0, sx);
+            t1 = _mm512_mul_ps(t1, sx);
+          }
+          const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cb + r * 32), _mm512_mullo_epi32(z0, as)));
+          const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cb + r * 32 + 16), _mm512_mullo_epi32(z1, as)));
+          float* c = Cf + (mb + r) * NR + 32 * h;
+          if (gi == 0) {
+            _mm512_storeu_ps(c, _mm512_mul_ps(v0, t0));
+            _mm512_storeu_ps(c + 16, _mm512_mul_ps(v1, t1));
+          } else {
+            _mm512_storeu_ps(c, _mm512_fmadd_ps(v0, t0, _mm512_loadu_ps(c)));
+            _mm512_storeu_ps(c + 16, _mm512_fmadd_ps(v1, t1, _mm512_loadu_ps(c + 16)));
+          }
+        }
+      }
+    }
+  }
+  const int64_t ncols = (g.N - pn * NR < NR) ? g.N - pn * NR : NR;
+  const int64_t es = p.out_type == OUT_F32 ? 4 : 2;
+  T512::store_rows(Cf, rows, (char*)p.out + (m0 * p.ldo + pn * NR) * es, p.ldo, p.out_type, ncols,
+                   p.act_group ? nullptr : p.ascale + m0, p.bias ? p.bias + pn * NR : nullptr);
+}
+
+HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
+  TileCfg cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  for (int64_t it = i0; it < i1; ++it) amx_panel_item(p, it);
+  _tile_release();
+}
+
+bool amx_request() {
+#if defined(__linux__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+  // Linux: ask for the XTILEDATA state component (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool ok = amx_request();
+  return ok;
+}
+
+bool amx_eligible(const Plan& p) { return p.g.Gp % 64 == 0; }
+
+void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { amx_items(p, i0, i1); }
+
+namespace {
+}  // namespace
+
+void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { run_items<T512>(p, i0, i1); }
+void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_impl(q, t0, t1); }
+
+}  // namespace hf_w4_int8
+
+#else  // not x86: the portable path stands in
+namespace hf_w4_int8 {
+void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
+void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_generic(q, t0, t1); }
+bool amx_usable() { return false; }
+bool amx_eligible(const Plan&) { return false; }
+void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
+}  // namespace hf_w4_int8
+#endif

@@ -1,0 +1,441 @@
+// hf_w4 int8 kernel: ISA detection, repacking, and the portable C++ path (always compiled and tested).
+// No torch headers.
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "int8_gemm.h"
+
+namespace hf_w4_int8 {
+
+// ------------------------------------------------------------------------------------------------
+// ISA
+
+static bool has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+static bool has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool isa_available(int isa) {
+  switch (isa) {
+    case ISA_GENERIC: return true;
+    case ISA_AVX2: return has_avx2();
+    case ISA_AVXVNNI:
+#if defined(__x86_64__) || defined(__i386__)
+      return has_avx2() && __builtin_cpu_supports("avxvnni");
+#else
+      return false;
+#endif
+    case ISA_AVX512: return has_avx512();
+  }
+  return false;
+}
+
+int best_isa() {
+  if (isa_available(ISA_AVX512)) return ISA_AVX512;
+  if (isa_available(ISA_AVXVNNI)) return ISA_AVXVNNI;
+  if (isa_available(ISA_AVX2)) return ISA_AVX2;
+  return ISA_GENERIC;
+}
+
+const char* isa_name(int isa) {
+  switch (isa) {
+    case ISA_GENERIC: return "generic";
+    case ISA_AVX2: return "avx2";
+    case ISA_AVXVNNI: return "avxvnni";
+    case ISA_AVX512: return "avx512";
+  }
+  return "?";
+}
+
+int resolve_isa(int requested) {
+  static const int best = best_isa();
+  if (requested < 0) {
+    // env HF_W4_ISA caps the choice (same names as the other hf_w4 CPU kernels): avx512 | avx2 | generic;
+    // "avx2" means AVX2 with AVX-VNNI when the CPU has it. "avxvnni" / "avx2novnni" are accepted too.
+    const char* e = std::getenv("HF_W4_ISA");
+    if (!e || !*e || std::strcmp(e, "auto") == 0) return best;
+    int cap;
+    if (!std::strcmp(e, "avx512")) cap = ISA_AVX512;
+    else if (!std::strcmp(e, "avx2") || !std::strcmp(e, "avxvnni")) cap = ISA_AVXVNNI;
+    else if (!std::strcmp(e, "avx2novnni")) cap = ISA_AVX2;
+    else if (!std::strcmp(e, "generic")) cap = ISA_GENERIC;
+    else return -100;
+    for (int i = cap; i > 0; --i)
+      if (isa_available(i)) return i;
+    return ISA_GENERIC;
+  }
+  if (requested > ISA_AVX512 || !isa_available(requested)) return -1 - requested;
+  return requested;
+}
+
+// ------------------------------------------------------------------------------------------------
+// scratch
+
+namespace {
+struct Scratch {
+  void* p[4] = {nullptr, nullptr, nullptr, nullptr};
+  size_t n[4] = {0, 0, 0, 0};
+  ~Scratch() { for (auto q : p) std::free(q); }
+};
+thread_local Scratch tls_scratch;
+}  // namespace
+
+void* thread_scratch(int slot, size_t bytes) {
+  Scratch& s = tls_scratch;
+  if (bytes > s.n[slot]) {
+    std::free(s.p[slot]);
+    size_t nb = (bytes + 4095) & ~(size_t)4095;
+    s.p[slot] = std::aligned_alloc(64, nb);
+    s.n[slot] = nb;
+  }
+  return s.p[slot];
+}
+
+// ------------------------------------------------------------------------------------------------
+// geometry + repack
+
+Geometry make_geometry(int64_t n, int64_t k, int64_t group_size, int wtype) {
+  Geometry g;
+  g.N = n; g.K = k; g.wtype = wtype;
+  g.gs = group_size <= 0 ? k : group_size;
+  g.G = k / g.gs;
+  g.Gp = (g.gs + 7) / 8 * 8;
+  g.Kp = g.G * g.Gp;
+  g.P = (n + NR - 1) / NR;
+  g.Np = g.P * NR;
+  return g;
+}
+
+static inline int64_t logical_col(const Geometry& g, int64_t kp) {  // packed k -> position in permuted K, or -1 (pad)
+  const int64_t grp = kp / g.Gp, j = kp % g.Gp;
+  return j < g.gs ? grp * g.gs + j : -1;
+}
+
+void repack_int8_panels(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
+                        uint8_t* out, int64_t p0, int64_t p1) {
+  const int64_t nq = g.Kp / 4;
+  // column map of packed k (original column index, or -1)
+  std::unique_ptr<int64_t[]> col(new int64_t[g.Kp]);
+  for (int64_t kp = 0; kp < g.Kp; ++kp) {
+    int64_t j = logical_col(g, kp);
+    col[kp] = j < 0 ? -1 : (perm ? perm[j] : j);
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    uint8_t* o = out + p * nq * 256;
+    for (int64_t nl = 0; nl < NR; ++nl) {
+      const int64_t n = p * NR + nl;
+      const int8_t* wr = n < g.N ? w + n * s0 : nullptr;
+      for (int64_t q = 0; q < nq; ++q) {
+        uint8_t* ob = o + q * 256 + nl * 4;
+        for (int kk = 0; kk < 4; ++kk) {
+          const int64_t c = col[q * 4 + kk];
+          const int v = (wr && c >= 0) ? wr[c * s1] : 0;
+          ob[kk] = (uint8_t)(v + 128);
+        }
+      }
+    }
+  }
+}
+
+void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int64_t s1, int pack_dim,
+                        const int* slots, const int64_t* perm, uint8_t* out, int64_t p0, int64_t p1) {
+  const int64_t nq2 = g.Kp / 8;
+  int sh[8];
+  for (int j = 0; j < 8; ++j) sh[j] = 4 * slots[j];
+  std::unique_ptr<int64_t[]> col(new int64_t[g.Kp]);
+  bool identity = true;
+  for (int64_t kp = 0; kp < g.Kp; ++kp) {
+    int64_t j = logical_col(g, kp);
+    col[kp] = j < 0 ? -1 : (perm ? perm[j] : j);
+    if (col[kp] != kp) identity = false;
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    uint8_t* o = out + p * nq2 * 256;
+    for (int64_t nl = 0; nl < NR; ++nl) {
+      const int64_t n = p * NR + nl;
+      if (n >= g.N) {
+        for (int64_t q2 = 0; q2 < nq2; ++q2) std::memset(o + q2 * 256 + nl * 4, 0, 4);
+        continue;
+      }
+      if (pack_dim == 0 && identity) {
+        // fast path: word c of row n holds k = 8c..8c+7 = exactly quad pair c
+        const uint32_t* wr = (const uint32_t*)(codes + n * s0);
+        for (int64_t q2 = 0; q2 < nq2; ++q2) {
+          const uint32_t wd = wr[q2 * s1];
+          uint8_t* ob = o + q2 * 256 + nl * 4;
+          for (int kk = 0; kk < 4; ++kk)
+            ob[kk] = (uint8_t)(((wd >> sh[kk]) & 15u) | (((wd >> sh[4 + kk]) & 15u) << 4));
+        }
+        continue;
+      }
+      for (int64_t q2 = 0; q2 < nq2; ++q2) {
+        uint8_t* ob = o + q2 * 256 + nl * 4;
+        for (int kk = 0; kk < 4; ++kk) {
+          uint32_t v[2];
+          for (int h = 0; h < 2; ++h) {
+            const int64_t c = col[q2 * 8 + h * 4 + kk];
+            if (c < 0) { v[h] = 0; continue; }
+            uint32_t wd;
+            if (pack_dim == 0) wd = (uint32_t)codes[n * s0 + (c / 8) * s1], v[h] = (wd >> sh[c % 8]) & 15u;
+            else wd = (uint32_t)codes[(n / 8) * s0 + c * s1], v[h] = (wd >> sh[n % 8]) & 15u;
+          }
+          ob[kk] = (uint8_t)(v[0] | (v[1] << 4));
+        }
+      }
+    }
+  }
+}
+
+void repack_int4_from_int8(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
+                           uint8_t* out, int64_t p0, int64_t p1) {
+  const int64_t nq2 = g.Kp / 8;
+  std::unique_ptr<int64_t[]> col(new int64_t[g.Kp]);
+  for (int64_t kp = 0; kp < g.Kp; ++kp) {
+    int64_t j = logical_col(g, kp);
+    col[kp] = j < 0 ? -1 : (perm ? perm[j] : j);
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    uint8_t* o = out + p * nq2 * 256;
+    for (int64_t nl = 0; nl < NR; ++nl) {
+      const int64_t n = p * NR + nl;
+      const int8_t* wr = n < g.N ? w + n * s0 : nullptr;
+      for (int64_t q2 = 0; q2 < nq2; ++q2) {
+        uint8_t* ob = o + q2 * 256 + nl * 4;
+        for (int kk = 0; kk < 4; ++kk) {
+          const int64_t c0 = col[q2 * 8 + kk], c1 = col[q2 * 8 + 4 + kk];
+          const int v0 = (wr && c0 >= 0) ? wr[c0 * s1] + 8 : 8, v1 = (wr && c1 >= 0) ? wr[c1 * s1] + 8 : 8;
+          ob[kk] = (uint8_t)((v0 & 15) | ((v1 & 15) << 4));
+        }
+      }
+    }
+  }
+}
+
+void repack_scales(const Geometry& g, const float* s, int64_t lds, const float* z, int64_t ldz, float* s_out,
+                   int32_t* z_out, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t gi = 0; gi < g.G; ++gi)
+      for (int64_t nl = 0; nl < NR; ++nl) {
+        const int64_t n = p * NR + nl;
+        const int64_t o = (p * g.G + gi) * NR + nl;
+        s_out[o] = n < g.N ? s[n * lds + gi] : 0.f;
+        if (z_out) z_out[o] = n < g.N ? (int32_t)std::lrint(z[n * ldz + gi]) : 0;
+      }
+}
+
+// ------------------------------------------------------------------------------------------------
+// half precision (portable)
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+  if (e == 0) {
+    if (m == 0) u = sign;
+    else {  // subnormal
+      int sh = 0;
+      while (!(m & 0x400)) { m <<= 1; ++sh; }
+      m &= 0x3ff;
+      u = sign | ((uint32_t)(127 - 15 + 1 - sh) << 23) | (m << 13);
+    }
+  } else if (e == 31) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else {
+    u = sign | ((e + 127 - 15) << 23) | (m << 13);
+  }
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00;
+  if (a >= 0x477ff000u) return sign | 0x7c00;  // rounds to inf
+  if (a < 0x38800000u) {  // subnormal or zero in fp16
+    if (a < 0x33000000u) return sign;  // < 2^-25 -> 0 (2^-25 exactly ties to even 0)
+    const uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000;
+    const int shift = 126 - (int)e;  // value = m * 2^(e-150); fp16 subnormal unit 2^-24 -> m >> (126 - e)
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return sign | (uint16_t)r;
+  }
+  uint32_t r = a - 0x38000000u;  // rebias exponent (127-15)<<23
+  r += 0xfffu + ((r >> 13) & 1u);
+  return sign | (uint16_t)(r >> 13);
+}
+
+// ------------------------------------------------------------------------------------------------
+// activation quantization (portable)
+
+static inline float load_x(const void* x, int t, int64_t i) {
+  if (t == OUT_F32) return ((const float*)x)[i];
+  if (t == OUT_BF16) return bf16_to_f32(((const uint16_t*)x)[i]);
+  return f16_to_f32(((const uint16_t*)x)[i]);
+}
+
+static inline int8_t q8(float v, float s) {
+  float r = std::nearbyint(v / s);
+  r = r < -128.f ? -128.f : (r > 127.f ? 127.f : r);
+  return (int8_t)(int)r;
+}
+
+void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
+  const Geometry& g = q.g;
+  float* buf = (float*)thread_scratch(3, (size_t)g.K * 4);
+  for (int64_t t = t0; t < t1; ++t) {
+    int8_t* At = q.A + t * MRA * g.Kp;
+    for (int r = 0; r < MRA; ++r) {
+      const int64_t m = t * MRA + r;
+      if (m >= q.M) {
+        for (int64_t kp = 0; kp < g.Kp; ++kp) At[(kp / 4) * MRA * 4 + r * 4 + kp % 4] = 0;
+        continue;
+      }
+      const char* xr = (const char*)q.x + m * q.ldx * (q.in_type == OUT_F32 ? 4 : 2);
+      for (int64_t j = 0; j < g.K; ++j) buf[j] = load_x(xr, q.in_type, q.perm ? q.perm[j] : j);
+      float s_tok = 0.f;
+      if (!q.act_group) {
+        float mx = 0.f;
+        for (int64_t j = 0; j < g.K; ++j) mx = std::fmax(mx, std::fabs(buf[j]));
+        s_tok = mx / 127.5f;
+        if (s_tok == 0.f) s_tok = 1.f;
+        q.ascale[m] = s_tok;
+      }
+      for (int64_t gi = 0; gi < g.G; ++gi) {
+        const float* xg = buf + gi * g.gs;
+        float s = s_tok;
+        if (q.act_group) {
+          float mx = 0.f;
+          for (int64_t j = 0; j < g.gs; ++j) mx = std::fmax(mx, std::fabs(xg[j]));
+          s = mx / 127.5f;
+          if (s == 0.f) s = 1.f;
+          q.ascale[m * g.G + gi] = s;
+        }
+        int32_t sum = 0;
+        for (int64_t j = 0; j < g.Gp; ++j) {
+          const int64_t kp = gi * g.Gp + j;
+          const int8_t v = j < g.gs ? q8(xg[j], s) : 0;
+          sum += v;
+          At[(kp / 4) * MRA * 4 + r * 4 + kp % 4] = v;
+        }
+        q.asum[m * g.G + gi] = sum;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// portable gemm path
+
+namespace {
+struct GenericT {
+  static constexpr int MR = MRA;
+  static void tile(const TileArgs& a) {
+    int32_t acc[MRA][NR];
+    const int64_t Gp = a.Gp;
+    for (int64_t g = a.s0 / Gp; g * Gp < a.s1; ++g) {
+      const int64_t gs0 = g * Gp > a.s0 ? g * Gp : a.s0;
+      const int64_t gs1 = (g + 1) * Gp < a.s1 ? (g + 1) * Gp : a.s1;
+      const bool load_ci = gs0 % Gp != 0, store_ci = gs1 % Gp != 0;
+      for (int r = 0; r < a.mr; ++r)
+        for (int n = 0; n < NR; ++n) acc[r][n] = load_ci ? a.ci[r * NR + n] : 0;
+      for (int64_t kp = gs0; kp < gs1; kp += 4) {
+        const int64_t qd = kp / 4;
+        const int8_t* aq = a.a + qd * MRA * 4;
+        for (int n = 0; n < NR; ++n) {
+          uint8_t u[4];
+          if (a.otf) {
+            const int64_t rel = kp - a.kb0;  // multiple of 4
+            const uint8_t* bb = a.b + (rel / 8) * 256 + n * 4;
+            const int hi = (rel / 4) & 1;
+            for (int kk = 0; kk < 4; ++kk) u[kk] = hi ? (bb[kk] >> 4) : (bb[kk] & 15);
+          } else {
+            const uint8_t* bb = a.b + ((kp - a.kb0) / 4) * 256 + n * 4;
+            for (int kk = 0; kk < 4; ++kk) u[kk] = bb[kk];
+          }
+          for (int r = 0; r < a.mr; ++r) {
+            const int8_t* ar = aq + r * 4;
+            acc[r][n] += (int32_t)u[0] * ar[0] + (int32_t)u[1] * ar[1] + (int32_t)u[2] * ar[2] +
+                         (int32_t)u[3] * ar[3];
+          }
+        }
+      }
+      if (store_ci) {
+        for (int r = 0; r < a.mr; ++r)
+          for (int n = 0; n < NR; ++n) a.ci[r * NR + n] = acc[r][n];
+        continue;
+      }
+      const float* sc = a.scales + g * NR;
+      const int32_t* zp = a.zeros ? a.zeros + g * NR : nullptr;
+      for (int r = 0; r < a.mr; ++r) {
+        const int32_t as = a.asum[r * a.G + g];
+        const float sx = a.ascale ? a.ascale[r * a.G + g] : 1.f;
+        float* c = a.cf + r * NR;
+        for (int n = 0; n < NR; ++n) {
+          const int32_t z = zp ? zp[n] : a.zconst;
+          const float v = (float)(acc[r][n] - z * as);
+          const float sv = a.ascale ? sc[n] * sx : sc[n];
+          c[n] = (g == 0) ? v * sv : std::fma(v, sv, c[n]);
+        }
+      }
+    }
+  }
+  static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
+    for (int64_t q2 = 0; q2 < nq2; ++q2)
+      for (int i = 0; i < 256; ++i) {
+        dst[q2 * 512 + i] = src[q2 * 256 + i] & 15;
+        dst[q2 * 512 + 256 + i] = src[q2 * 256 + i] >> 4;
+      }
+  }
+  static void store_rows(const float* cf, int64_t rows, char* out, int64_t ldo, int ot, int64_t ncols,
+                         const float* afinal, const float* bias) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float sx = afinal ? afinal[r] : 1.f;
+      for (int64_t n = 0; n < ncols; ++n) {
+        float v = cf[r * NR + n] * sx;
+        if (bias) v += bias[n];
+        if (ot == OUT_F32) ((float*)out)[r * ldo + n] = v;
+        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16(v);
+        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16(v);
+      }
+    }
+  }
+};
+}  // namespace
+
+void gemm_items_generic(const Plan& p, int64_t i0, int64_t i1) { run_items<GenericT>(p, i0, i1); }
+
+void quant_tiles(int isa, const QuantArgs& q, int64_t t0, int64_t t1) {
+  switch (isa) {
+    case ISA_AVX512: quant_tiles_avx512(q, t0, t1); return;
+    case ISA_AVX2:
+    case ISA_AVXVNNI: quant_tiles_avx2(q, t0, t1); return;
+    default: quant_tiles_generic(q, t0, t1);
+  }
+}
+
+void gemm_items(int isa, const Plan& p, int64_t i0, int64_t i1) {
+  switch (isa) {
+    case ISA_AVX512: gemm_items_avx512(p, i0, i1); return;
+    case ISA_AVXVNNI: gemm_items_avx2(p, i0, i1, true); return;
+    case ISA_AVX2: gemm_items_avx2(p, i0, i1, false); return;
+    default: gemm_items_generic(p, i0, i1);
+  }
+}
+
+}  // namespace hf_w4_int8

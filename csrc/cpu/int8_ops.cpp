@@ -1,0 +1,258 @@
+// hf_w4 int8 kernel: torch glue (schemas live in hf_w4/ops.py). Threads via at::parallel_for only.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "int8_gemm.h"
+
+namespace {
+using namespace hf_w4_int8;
+
+int wtype_of(const std::string& s) {
+  if (s == "int8") return W_INT8;
+  if (s == "int4") return W_INT4;
+  TORCH_CHECK(false, "hf_w4 int8 kernel: weight_type must be 'int8' or 'int4', got '", s, "'");
+}
+
+int dtype_code(c10::ScalarType t) {
+  if (t == at::kFloat) return OUT_F32;
+  if (t == at::kBFloat16) return OUT_BF16;
+  if (t == at::kHalf) return OUT_F16;
+  TORCH_CHECK(false, "hf_w4 int8 kernel: activations must be float32, bfloat16 or float16, got ", t);
+}
+
+// isa "" = auto (env HF_W4_ISA caps it); "avx512" | "avx2" (AVX2 + AVX-VNNI when present) | "avxvnni" |
+// "avx2novnni" (AVX2, vpdpbusd emulated) | "generic" force a path (an error when the CPU lacks it)
+int check_isa(c10::string_view isa_sv) {
+  const std::string isa(isa_sv);
+  int req = -1;
+  if (isa.empty() || isa == "auto") req = -1;
+  else if (isa == "avx512") req = ISA_AVX512;
+  else if (isa == "avxvnni") req = ISA_AVXVNNI;
+  else if (isa == "avx2") req = isa_available(ISA_AVXVNNI) ? ISA_AVXVNNI : ISA_AVX2;
+  else if (isa == "avx2novnni") req = ISA_AVX2;
+  else if (isa == "generic") req = ISA_GENERIC;
+  else TORCH_CHECK(false, "hf_w4 int8 kernel: isa must be one of '', auto, avx512, avx2, avxvnni, avx2novnni, "
+                   "generic; got '", isa, "'");
+  const int r = resolve_isa(req);
+  TORCH_CHECK(r != -100, "hf_w4 int8 kernel: HF_W4_ISA must be one of auto, avx512, avx2, avxvnni, avx2novnni, generic");
+  TORCH_CHECK(r >= 0, "hf_w4 int8 kernel: ISA '", isa_name(-1 - r), "' is not available on this CPU");
+  return r;
+}
+
+const int64_t* perm_ptr(const std::optional<at::Tensor>& perm, int64_t k, at::Tensor& keep) {
+  if (!perm.has_value() || !perm->defined()) return nullptr;
+  TORCH_CHECK(perm->numel() == k, "hf_w4 int8 kernel: perm must have K=", k, " entries, got ", perm->numel());
+  keep = perm->to(at::kLong).contiguous();
+  return keep.data_ptr<int64_t>();
+}
+
+std::string isa_op(c10::string_view isa) { return isa_name(check_isa(isa)); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c10::string_view weight_type,
+                                                      int64_t pack_dim, c10::IntArrayRef slots,
+                                                      const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                                                      const std::optional<at::Tensor>& perm, int64_t n, int64_t k,
+                                                      int64_t group_size) {
+  const int wt = wtype_of(std::string(weight_type));
+  const Geometry g = make_geometry(n, k, group_size, wt);
+  TORCH_CHECK(g.gs > 0 && k % g.gs == 0, "hf_w4 int8 kernel: group_size ", group_size, " does not divide K=", k);
+  TORCH_CHECK(codes.dim() == 2, "hf_w4 int8 repack: codes must be 2-D");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == g.G,
+              "hf_w4 int8 repack: scales must be [N, G] = [", n, ", ", g.G, "], got ", scales.sizes());
+  at::Tensor pk;
+  const int64_t* pp = perm_ptr(perm, k, pk);
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  at::Tensor z;
+  if (zeros.has_value() && zeros->defined()) {
+    TORCH_CHECK(wt == W_INT4, "hf_w4 int8 repack: zero points are only supported for int4 weights");
+    TORCH_CHECK(zeros->sizes() == scales.sizes(), "hf_w4 int8 repack: zeros must be [N, G] like scales");
+    z = zeros->to(at::kFloat).contiguous();
+  }
+  const int64_t panel_bytes = wt == W_INT8 ? g.Kp * NR : g.Kp * NR / 2;
+  at::Tensor out = at::empty({g.P, panel_bytes}, codes.options().dtype(at::kByte));
+  at::Tensor so = at::empty({g.P, g.G, NR}, codes.options().dtype(at::kFloat));
+  at::Tensor zo = z.defined() ? at::empty({g.P, g.G, NR}, codes.options().dtype(at::kInt))
+                              : at::empty({0}, codes.options().dtype(at::kInt));
+  if (wt == W_INT8) {
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(0) == n && codes.size(1) == k,
+                "hf_w4 int8 repack: int8 weights must be int8 [N, K] = [", n, ", ", k, "]");
+    const int8_t* w = codes.data_ptr<int8_t>();
+    const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
+    at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) { repack_int8_panels(g, w, s0, s1, pp, out.data_ptr<uint8_t>(), b, e); });
+  } else if (codes.scalar_type() == at::kChar) {
+    // int4 values -8..7 one per int8 (compressed-tensors int-quantized W4A8): nibble codes v + 8
+    TORCH_CHECK(codes.size(0) == n && codes.size(1) == k, "hf_w4 int8 repack: int8-held int4 weights must be [N, K]");
+    TORCH_CHECK(!z.defined(), "hf_w4 int8 repack: int8-held int4 weights are symmetric");
+    const int8_t* w = codes.data_ptr<int8_t>();
+    const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
+    at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) { repack_int4_from_int8(g, w, s0, s1, pp, out.data_ptr<uint8_t>(), b, e); });
+  } else {
+    TORCH_CHECK(codes.scalar_type() == at::kInt, "hf_w4 int8 repack: int4 codes must be int32 words");
+    TORCH_CHECK(slots.size() == 8, "hf_w4 int8 repack: slots must have 8 entries");
+    if (pack_dim == 0) {
+      TORCH_CHECK(k % 8 == 0 && codes.size(0) == n && codes.size(1) == k / 8,
+                  "hf_w4 int8 repack: codes packed along K must be [N, K/8]");
+    } else {
+      TORCH_CHECK(pack_dim == 1 && n % 8 == 0 && codes.size(0) == n / 8 && codes.size(1) == k,
+                  "hf_w4 int8 repack: codes packed along N must be [N/8, K]");
+    }
+    int sl[8];
+    for (int i = 0; i < 8; ++i) sl[i] = (int)slots[i];
+    const int32_t* c = codes.data_ptr<int32_t>();
+    const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
+    at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) {
+      repack_int4_panels(g, c, s0, s1, (int)pack_dim, sl, pp, out.data_ptr<uint8_t>(), b, e);
+    });
+  }
+  repack_scales(g, s.data_ptr<float>(), g.G, z.defined() ? z.data_ptr<float>() : nullptr, g.G,
+                so.data_ptr<float>(), z.defined() ? zo.data_ptr<int32_t>() : nullptr, 0, g.P);
+  return {out, so, zo};
+}
+
+struct ActQ {
+  Geometry g;
+  at::Tensor A, asum, ascale;
+};
+
+ActQ quantize(const at::Tensor& x2, const int64_t* pp, const Geometry& g, bool act_group, int isa,
+              bool rowmajor = false) {
+  const int64_t M = x2.size(0);
+  const int64_t Mt = (M + MRA - 1) / MRA;
+  ActQ r;
+  r.g = g;
+  // row-major (AMX) reads whole 32-row blocks: pad the allocation (rows >= M are never written or used)
+  r.A = at::empty({rowmajor ? (M + 31) / 32 * 32 * g.Kp : Mt * MRA * g.Kp}, x2.options().dtype(at::kChar));
+  r.asum = at::empty({M, g.G}, x2.options().dtype(at::kInt));
+  r.ascale = at::empty({M, act_group ? g.G : 1}, x2.options().dtype(at::kFloat));
+  QuantArgs q;
+  q.x = x2.data_ptr(); q.in_type = dtype_code(x2.scalar_type()); q.ldx = x2.stride(0);
+  q.M = M; q.perm = pp; q.act_group = act_group; q.g = g;
+  q.A = r.A.data_ptr<int8_t>(); q.asum = r.asum.data_ptr<int32_t>(); q.ascale = r.ascale.data_ptr<float>();
+  q.rowmajor = rowmajor;
+  if (Mt == 1) quant_tiles(isa, q, 0, 1);
+  else at::parallel_for(0, Mt, 1, [&](int64_t b, int64_t e) { quant_tiles(isa, q, b, e); });
+  return r;
+}
+
+at::Tensor flat2d(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.size(-1) == k, "hf_w4 int8 kernel: x has ", x.size(-1), " features, expected K=", k);
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < k)) x2 = x2.contiguous();
+  return x2;
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_act_op(const at::Tensor& x, int64_t group_size, c10::string_view isa_req) {
+  const int isa = check_isa(isa_req);
+  const int64_t k = x.size(-1);
+  const bool act_group = group_size > 0 && group_size != k;
+  TORCH_CHECK(!act_group || k % group_size == 0, "hf_w4 int8 quant_act: group_size must divide K");
+  at::Tensor x2 = flat2d(x, k);
+  dtype_code(x2.scalar_type());
+  const Geometry g = make_geometry(1, k, act_group ? group_size : k, W_INT8);
+  ActQ a = quantize(x2, nullptr, g, act_group, isa);
+  const int64_t M = x2.size(0);
+  at::Tensor q = at::empty({M, k}, x2.options().dtype(at::kChar));
+  const int8_t* A = a.A.data_ptr<int8_t>();
+  int8_t* qo = q.data_ptr<int8_t>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t kp = (j / g.gs) * g.Gp + j % g.gs;
+      qo[m * k + j] = A[(m / MRA) * MRA * g.Kp + (kp / 4) * MRA * 4 + (m % MRA) * 4 + kp % 4];
+    }
+  std::vector<int64_t> qs(x.sizes().begin(), x.sizes().end());
+  std::vector<int64_t> ss(qs);
+  ss.back() = act_group ? g.G : 1;
+  return {q.reshape(qs), a.ascale.reshape(ss)};
+}
+
+at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& perm,
+                   const std::optional<at::Tensor>& bias, c10::string_view weight_type, int64_t n, int64_t k,
+                   int64_t group_size, bool act_group, c10::string_view isa_req) {
+  // "amx": AMX-INT8 wherever the layer allows it (groups of a multiple of 64 columns); "" (auto): AMX for
+  // M >= 32 when the CPU and OS allow it (HF_W4_AMX=0 turns it off)
+  const bool want_amx = std::string(isa_req) == "amx";
+  TORCH_CHECK(!want_amx || amx_usable(), "hf_w4 int8 kernel: AMX-INT8 is not available (CPU or OS)");
+  const int isa = check_isa(want_amx ? c10::string_view("avx512") : isa_req);
+  const int wt = wtype_of(std::string(weight_type));
+  const Geometry g = make_geometry(n, k, group_size, wt);
+  TORCH_CHECK(g.gs > 0 && k % g.gs == 0, "hf_w4 int8 gemm: group_size ", group_size, " does not divide K=", k);
+  const int64_t panel_bytes = wt == W_INT8 ? g.Kp * NR : g.Kp * NR / 2;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.P * panel_bytes,
+              "hf_w4 int8 gemm: packed weight does not match N=", n, ", K=", k, ", group_size=", group_size);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == g.P * g.G * NR,
+              "hf_w4 int8 gemm: packed scales do not match the geometry");
+  const bool has_z = zeros.has_value() && zeros->defined() && zeros->numel() > 0;
+  if (has_z) {
+    TORCH_CHECK(zeros->scalar_type() == at::kInt && zeros->is_contiguous() && zeros->numel() == g.P * g.G * NR,
+                "hf_w4 int8 gemm: packed zeros do not match the geometry");
+  }
+  at::Tensor x2 = flat2d(x, k);
+  const int ot = dtype_code(x2.scalar_type());
+  at::Tensor pk;
+  const int64_t* pp = perm_ptr(perm, k, pk);
+  TORCH_CHECK(!(act_group && pp), "hf_w4 int8 gemm: per-group activation quantization with an act-order "
+              "permutation is not supported");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "hf_w4 int8 gemm: bias must have N=", n, " entries");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> os(x.sizes().begin(), x.sizes().end());
+  os.back() = n;
+  at::Tensor out = at::empty({M, n}, x2.options());
+  if (M == 0 || n == 0) return out.reshape(os);
+  const bool auto_isa = isa_req.empty() || std::string(isa_req) == "auto";
+  const char* amx_env = std::getenv("HF_W4_AMX");
+  const bool amx_ok = isa == ISA_AVX512 && (want_amx || (auto_isa && M >= 32 && !(amx_env && std::string(amx_env) == "0")))
+                      && g.Gp % 64 == 0 && amx_usable();
+  ActQ a = quantize(x2, pp, g, act_group, isa, amx_ok);
+
+  Plan p;
+  p.g = g;
+  p.B = packed.data_ptr<uint8_t>(); p.panel_bytes = panel_bytes;
+  p.scales = scales.data_ptr<float>(); p.zeros = has_z ? zeros->data_ptr<int32_t>() : nullptr;
+  p.zconst = wt == W_INT8 ? 128 : 8;
+  p.M = M; p.A = a.A.data_ptr<int8_t>(); p.asum = a.asum.data_ptr<int32_t>(); p.ascale = a.ascale.data_ptr<float>();
+  p.act_group = act_group && g.G > 1;
+  if (act_group && g.G == 1) p.act_group = false;  // one group = per token
+  p.out = out.data_ptr(); p.out_type = ot; p.ldo = n;
+  p.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  // schedule: work item = (row chunk, 64-column panel); row chunks only for large M or few panels
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t Mr = (M + MRA - 1) / MRA * MRA;
+  int64_t nmc = (Mr + 479) / 480;
+  if (M > 4 * MRA && g.P < 2 * nt) nmc = std::max<int64_t>(nmc, std::min<int64_t>((2 * nt + g.P - 1) / g.P, Mr / (2 * MRA)));
+  int64_t mchunk = ((Mr + nmc - 1) / nmc + MRA - 1) / MRA * MRA;
+  nmc = (Mr + mchunk - 1) / mchunk;
+  p.mchunk = mchunk; p.nmchunks = nmc;
+  const int64_t items = nmc * g.P;
+  if (amx_ok) {
+    at::parallel_for(0, items, 1, [&](int64_t b0, int64_t e0) { gemm_items_amx(p, b0, e0); });
+  } else if (items == 1) {
+    gemm_items(isa, p, 0, 1);
+  } else {
+    at::parallel_for(0, items, 1, [&](int64_t b0, int64_t e0) { gemm_items(isa, p, b0, e0); });
+  }
+  return out.reshape(os);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {
+  m.impl("int8_repack", &repack);
+  m.impl("int8_quant_act", &quant_act_op);
+  m.impl("int8_gemm", &gemm_op);
+}
+
+TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
+  m.impl("int8_isa", &isa_op);
+}

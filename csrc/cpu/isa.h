@@ -1,0 +1,47 @@
+// Small, stable run-time ISA selection shared by hf_w4's CPU kernels (no torch headers).
+// HF_W4_ISA=avx512|avx2|generic caps the choice (it never selects an ISA the CPU lacks).
+#pragma once
+#include <cstdlib>
+#include <cstring>
+
+namespace hf_w4 {
+
+enum class CpuIsa : int { generic = 0, avx2 = 1, avx512 = 2 };
+
+inline const char* isa_name(CpuIsa i) {
+  return i == CpuIsa::avx512 ? "avx512" : i == CpuIsa::avx2 ? "avx2" : "generic";
+}
+
+// best ISA the CPU supports for our kernels. "avx512" means F+BW+VL+BF16 (vdpbf16ps);
+// "avx2" means AVX2+FMA+F16C.
+inline CpuIsa cpu_best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+    return CpuIsa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return CpuIsa::avx2;
+#endif
+  return CpuIsa::generic;
+}
+
+// parse "avx512" / "avx2" / "generic"; returns -1 for "" or "auto", -2 for unknown text
+inline int parse_isa(const char* s) {
+  if (!s || !*s || !std::strcmp(s, "auto")) return -1;
+  if (!std::strcmp(s, "avx512")) return 2;
+  if (!std::strcmp(s, "avx2")) return 1;
+  if (!std::strcmp(s, "generic")) return 0;
+  return -2;
+}
+
+// The ISA to use: min(requested (argument, else env HF_W4_ISA, else best), best).
+inline CpuIsa choose_isa(const char* requested) {
+  static const CpuIsa best = cpu_best_isa();
+  int r = parse_isa(requested);
+  if (r == -1) r = parse_isa(std::getenv("HF_W4_ISA"));
+  if (r < 0) return best;
+  return r < static_cast<int>(best) ? static_cast<CpuIsa>(r) : best;
+}
+
+}  // namespace hf_w4

@@ -1,0 +1,74 @@
+// hf_w4 CPU W4A16 kernels: packed layout and raw-pointer entry points (no torch headers here).
+//
+// Kernel layout (produced by w4a16_repack_panels, one layer at a time):
+//   N is split into P = ceil(N/32) panels of 32 output columns (the last one zero padded).
+//   qpack  uint8 [P][K/2][32]: for k-pair j (k = 2j, 2j+1) byte i holds
+//            low nibble  = code(n = 32p + i/2,      k = 2j + i%2)
+//            high nibble = code(n = 32p + 16 + i/2, k = 2j + i%2)
+//          i.e. after a zero-extension of 16 bytes to 32-bit lanes, (b & 15) and (b >> 4) index a 16-entry
+//          LUT (vpermps) and give fp32 weights whose lanes are (column, k parity) pairs, multiplied with the
+//          broadcast activation pair (x[k], x[k+1]); zero-extended to 16-bit lanes the same bytes are bf16
+//          VNNI-2 operands (for a future vdpbf16ps / AMX path).
+//          When an act-order permutation is given, k counts the permuted order (y = x[:, perm] W'^T).
+//   scales float [P][G][32] (int4) or uint8 fp8-e4m3 bytes [P][G][32] (nvfp4, G = K/16).
+//   zs     float [P][G][32] = zero * scale (asymmetric int4 only; else absent).
+// Math: y[m, n] = gscale * sum_g ( s[n,g] * sum_{k in g} x[m,k] * lut(code) - zs[n,g] * sum_{k in g} x[m,k] )
+//   lut: sym int4 -> code - 8, asym int4 -> code, nvfp4 -> e2m1(code).
+#pragma once
+#include <cstdint>
+
+namespace hf_w4 {
+
+constexpr int W4_NP = 32;  // panel width (output columns)
+
+enum W4Mode : int { W4_SYM = 0, W4_ASYM = 1, W4_NVFP4 = 2 };
+enum W4DType : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+struct W4Gemm {
+  int64_t N, K, G, gs, P;
+  int mode;
+  const uint8_t* qpack;
+  const void* scales;
+  const float* zs;       // asym only
+  float gscale;          // multiplies the result (nvfp4 global scale; 1 otherwise)
+  const float* bias;     // fp32 [N] or null
+  void* out;             // [M][ldo] in out_dtype
+  int64_t ldo;
+  int out_dtype;
+};
+
+// ---- repack (portable C++)
+struct W4Repack {
+  int64_t N, K, G, gs, P;
+  int mode;
+  const int32_t* codes; int64_t cs0, cs1;  // int32 view [N, K/8] (pack_k) or [N/8, K] (pack_n), element strides
+  bool pack_k;
+  int slots[8];
+  const int64_t* perm;                     // [K] or null: new k' takes old column perm[k']
+  const float* scales;                     // int4: fp32 [N][G] contiguous
+  const uint8_t* scales8;                  // nvfp4: uint8 [N][G] contiguous
+  const float* zeros;                      // asym: fp32 [N][G] contiguous, else null
+  uint8_t* qpack; void* out_scales; float* out_zs;
+};
+void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1);
+
+// ---- fused small-M kernels; compute panels [p0, p1) for all rows
+// generic / avx2: fp32 activations x [M][K] (already permuted), xsum fp32 [M][G] (asym only)
+void w4a16_fused_generic(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
+void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
+// avx512: fp32 activations as above, xsum only for asym. (A bf16 vdpbf16ps formulation was tried and
+// dropped: on this Zen 5, vdpbf16ps measured 1.0 ns per instruction and 3.7 ns latency vs 0.24 / 1.9 ns for
+// vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
+void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
+
+// ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded
+// in): dst[k * ldd + (n - 32*p0)] for n in 32*p0 .. min(N, 32*p1) - 1, dtype DT_F32 or DT_BF16
+void w4a16_dequant_generic(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1);
+void w4a16_dequant_avx512(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1);
+void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1);
+
+// helpers
+float fp8e4m3_to_f32(uint8_t b);
+extern const float kE2M1[16];
+
+}  // namespace hf_w4

@@ -1,0 +1,156 @@
+// hf_w4 W4A16: AVX2 + FMA kernels (fp32 activations). Raw pointers only, no torch headers; only
+// called after a run-time check (isa.h).
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "w4a16.h"
+#include "w4a16_common.h"
+
+namespace hf_w4 {
+namespace {
+
+inline __m256 fp8x8_to_ps(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
+  const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sgn)), _mm256_set1_ps(0x1p120f));
+}
+
+inline __m256i load8_u8_epi32(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
+}
+
+// codes (0..15 in 32-bit lanes) -> fp32 values. int4: the code itself (the -8 / zero point is applied
+// through the per-group activation sums); nvfp4: e2m1 via two 8-entry permutes.
+template <int MODE>
+inline __m256 decode(__m256i idx, __m256 lut0, __m256 lut1) {
+  if (MODE == W4_NVFP4) {
+    const __m256 a = _mm256_permutevar8x32_ps(lut0, idx);
+    const __m256 b = _mm256_permutevar8x32_ps(lut1, idx);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+  return _mm256_cvtepi32_ps(idx);
+}
+
+// MR fp32 rows, one 8-byte column chunk c (16 columns: 4c..4c+3 and 16+4c..16+4c+3, both k parities),
+// one K-group: returns partial sums in lanes (column, parity)
+template <int MR, int MODE>
+inline void chunk_group(const uint8_t* qq, int64_t kpg, const float* x, int64_t ldx, __m256 lut0, __m256 lut1,
+                        __m256 pl[MR], __m256 ph[MR]) {
+  const __m256i m15 = _mm256_set1_epi32(15);
+  for (int m = 0; m < MR; ++m) pl[m] = ph[m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kpg; ++j) {
+    const __m256i b = load8_u8_epi32(qq + j * W4_NP);
+    const __m256 wl = decode<MODE>(_mm256_and_si256(b, m15), lut0, lut1);
+    const __m256 wh = decode<MODE>(_mm256_srli_epi32(b, 4), lut0, lut1);
+    for (int m = 0; m < MR; ++m) {
+      double d;
+      std::memcpy(&d, x + m * ldx + 2 * j, 8);
+      const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(d));
+      pl[m] = _mm256_fmadd_ps(wl, xv, pl[m]);
+      ph[m] = _mm256_fmadd_ps(wh, xv, ph[m]);
+    }
+  }
+}
+
+template <int MR, int MODE>
+void panel_rows(const W4Gemm& g, const uint8_t* q, const float* x, int64_t ldx, const float* xsum, int64_t p,
+                float* res /*[MR][32]*/) {
+  const int64_t G = g.G, kpg = g.gs / 2;
+  alignas(32) float lt[16];
+  for (int c = 0; c < 16; ++c) lt[c] = kE2M1[c];
+  const __m256 lut0 = _mm256_load_ps(lt), lut1 = _mm256_load_ps(lt + 8);
+  const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+  alignas(32) float acc[MR][64];    // lanes: [chunk c][half h][8]: column h*16 + 4c + l/2, parity l%2
+  alignas(32) float corr[MR][32];   // per column: zero-point correction
+  std::memset(acc, 0, sizeof(acc));
+  std::memset(corr, 0, sizeof(corr));
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const int64_t so = (p * G + gi) * W4_NP;
+    alignas(32) float s[32];
+    if (MODE == W4_NVFP4) {
+      const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + so;
+      for (int i = 0; i < 4; ++i) _mm256_store_ps(s + 8 * i, fp8x8_to_ps(sp + 8 * i));
+    } else {
+      std::memcpy(s, static_cast<const float*>(g.scales) + so, sizeof(s));
+    }
+    const uint8_t* qq = q + gi * kpg * W4_NP;
+    for (int c = 0; c < 4; ++c) {
+      __m256 pl[MR], ph[MR];
+      chunk_group<MR, MODE>(qq + 8 * c, kpg, x + gi * g.gs, ldx, lut0, lut1, pl, ph);
+      const __m256 sl = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(s + 4 * c)), dup);
+      const __m256 sh = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(s + 16 + 4 * c)), dup);
+      for (int m = 0; m < MR; ++m) {
+        float* a = acc[m] + 16 * c;
+        _mm256_store_ps(a, _mm256_fmadd_ps(pl[m], sl, _mm256_load_ps(a)));
+        _mm256_store_ps(a + 8, _mm256_fmadd_ps(ph[m], sh, _mm256_load_ps(a + 8)));
+      }
+    }
+    if (MODE != W4_NVFP4) {
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_set1_ps(xsum[m * G + gi]);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 z = MODE == W4_ASYM ? _mm256_loadu_ps(g.zs + so + 8 * i)
+                                           : _mm256_mul_ps(_mm256_load_ps(s + 8 * i), _mm256_set1_ps(8.0f));
+          _mm256_store_ps(corr[m] + 8 * i, _mm256_fmadd_ps(z, xs, _mm256_load_ps(corr[m] + 8 * i)));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 4; ++l) {
+          const int col = h * 16 + 4 * c + l;
+          const float* a = acc[m] + 16 * c + 8 * h + 2 * l;
+          res[m * W4_NP + col] = a[0] + a[1] - corr[m][col];
+        }
+}
+
+constexpr int kMR = 4;
+
+template <int MODE>
+void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
+  const int64_t K = g.K, G = g.G;
+  std::vector<float> res(M * W4_NP);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+    for (int64_t r0 = 0; r0 < M; r0 += kMR) {
+      const int64_t mr = M - r0 < kMR ? M - r0 : kMR;
+      const float* x0 = x + r0 * K;
+      const float* xs0 = xsum ? xsum + r0 * G : nullptr;
+      float* rr = res.data() + r0 * W4_NP;
+      switch (mr) {
+        case 1: panel_rows<1, MODE>(g, q, x0, K, xs0, p, rr); break;
+        case 2: panel_rows<2, MODE>(g, q, x0, K, xs0, p, rr); break;
+        case 3: panel_rows<3, MODE>(g, q, x0, K, xs0, p, rr); break;
+        default: panel_rows<4, MODE>(g, q, x0, K, xs0, p, rr); break;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
+  }
+}
+
+}  // namespace
+
+// xsum [M][G] is required for int4 (sym and asym) on this path
+void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
+  if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
+  else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
+  else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+}
+
+// large-M dequantization on AVX2 machines uses the portable code (it is amortised over M rows)
+void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
+  w4a16_dequant_generic(g, dst, dst_dtype, ldd, p0, p1);
+}
+
+}  // namespace hf_w4

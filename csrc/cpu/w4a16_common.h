@@ -1,0 +1,28 @@
+// small inline helpers shared by the W4A16 sources (no torch headers, no ISA-specific code)
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// store fp32 results v[0..cnt) of output row m, columns n0.. (gscale, bias, dtype conversion)
+void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int64_t cnt);
+
+}  // namespace hf_w4

@@ -1,0 +1,218 @@
+// hf_w4 W4A16: torch glue (schemas live in hf_w4/ops.py). Minimal torch headers; all SIMD code is in
+// w4a16_avx512.cpp / w4a16_avx2.cpp behind raw pointers, chosen at run time (csrc/cpu/isa.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "isa.h"
+#include "w4a16.h"
+#include "w4a16_common.h"
+
+namespace hf_w4 {
+namespace {
+
+int mode_of(const std::string& wt, bool has_zs) {
+  if (wt == "nvfp4") return W4_NVFP4;
+  TORCH_CHECK(wt == "int4", "cpu_w4a16: weight_type must be 'int4' or 'nvfp4', got '", wt, "'");
+  return has_zs ? W4_ASYM : W4_SYM;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(
+    const at::Tensor& codes, c10::string_view pack_dim, at::IntArrayRef slots, const at::Tensor& scales,
+    const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& perm, int64_t n, int64_t k,
+    int64_t group_size, c10::string_view weight_type) {
+  const std::string wt(weight_type), pd(pack_dim);
+  const bool nvfp4 = wt == "nvfp4";
+  const int mode = mode_of(wt, zeros.has_value());
+  const int64_t gs = nvfp4 ? 16 : group_size;
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kInt, "cpu_w4a16_repack: codes must be int32 on CPU");
+  TORCH_CHECK(codes.dim() == 2, "cpu_w4a16_repack: codes must be 2-D");
+  TORCH_CHECK(k % 2 == 0 && gs > 0 && gs % 2 == 0 && k % gs == 0,
+              "cpu_w4a16_repack: need K even and an even group size dividing K (K=", k, ", group_size=", gs, ")");
+  TORCH_CHECK(slots.size() == 8, "cpu_w4a16_repack: slots must have 8 entries");
+  TORCH_CHECK(pd == "k" || pd == "n", "cpu_w4a16_repack: pack_dim must be 'k' or 'n'");
+  if (pd == "k") {
+    TORCH_CHECK(k % 8 == 0 && codes.size(0) == n && codes.size(1) == k / 8,
+                "cpu_w4a16_repack: pack_dim 'k' expects codes [N, K/8] = [", n, ", ", k / 8, "], got ", codes.sizes());
+  } else {
+    TORCH_CHECK(n % 8 == 0 && codes.size(0) == n / 8 && codes.size(1) == k,
+                "cpu_w4a16_repack: pack_dim 'n' expects codes [N/8, K] = [", n / 8, ", ", k, "], got ", codes.sizes());
+  }
+  const int64_t G = k / gs, P = (n + W4_NP - 1) / W4_NP;
+  W4Repack r{};
+  r.N = n; r.K = k; r.G = G; r.gs = gs; r.P = P; r.mode = mode;
+  r.codes = codes.data_ptr<int32_t>(); r.cs0 = codes.stride(0); r.cs1 = codes.stride(1);
+  r.pack_k = pd == "k";
+  for (int j = 0; j < 8; ++j) {
+    TORCH_CHECK(slots[j] >= 0 && slots[j] < 8, "cpu_w4a16_repack: slots must be in 0..7");
+    r.slots[j] = static_cast<int>(slots[j]);
+  }
+  at::Tensor sc, zc, pm;
+  if (nvfp4) {
+    TORCH_CHECK(scales.scalar_type() == at::kByte && scales.size(0) == n && scales.size(1) == G,
+                "cpu_w4a16_repack: nvfp4 scales must be uint8 (fp8 e4m3 bits) [N, K/16]");
+    sc = scales.contiguous();
+    r.scales8 = sc.data_ptr<uint8_t>();
+  } else {
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == G,
+                "cpu_w4a16_repack: scales must be [N, G] = [", n, ", ", G, "], got ", scales.sizes());
+    sc = scales.to(at::kFloat).contiguous();
+    r.scales = sc.data_ptr<float>();
+    if (zeros) {
+      TORCH_CHECK(zeros->size(0) == n && zeros->size(1) == G, "cpu_w4a16_repack: zeros must be [N, G]");
+      zc = zeros->to(at::kFloat).contiguous();
+      r.zeros = zc.data_ptr<float>();
+    }
+  }
+  if (perm) {
+    TORCH_CHECK(perm->numel() == k, "cpu_w4a16_repack: perm must have K entries");
+    pm = perm->to(at::kLong).contiguous();
+    r.perm = pm.data_ptr<int64_t>();
+  }
+  auto qpack = at::empty({P, k / 2, W4_NP}, codes.options().dtype(at::kByte));
+  auto oscales = at::empty({P, G, W4_NP}, codes.options().dtype(nvfp4 ? at::kByte : at::kFloat));
+  auto ozs = at::empty({mode == W4_ASYM ? P : 0, G, W4_NP}, codes.options().dtype(at::kFloat));
+  r.qpack = qpack.data_ptr<uint8_t>();
+  r.out_scales = oscales.data_ptr();
+  r.out_zs = mode == W4_ASYM ? ozs.data_ptr<float>() : nullptr;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_repack_panels(r, p0, p1); });
+  return {qpack, oscales, ozs};
+}
+
+int dt_code(at::ScalarType t) {
+  return t == at::kFloat ? DT_F32 : t == at::kBFloat16 ? DT_BF16 : DT_F16;
+}
+
+// Largest M that takes the fused path (above it: dequantize N-chunks and at::linear).
+// Measured on the project machine (Zen 5, 1 thread CPU time, K=N=4096, bf16 x, g128; box heavily loaded):
+//   M      8     16     32     64    256
+//   fused  3.9   6.4   12.8   27.3  110.5 ms
+//   deq+lin 15.6 10.5  14.4   11.4   31.4 ms   (bf16 dense F.linear: 4.1 4.1 5.1 7.4 29.3 ms)
+// -> crossover between M=32 and M=64 on AVX-512. The AVX2 and portable values are estimates (not measured on
+// an AVX2-only machine): their fused kernels are slower per row, so they switch earlier.
+int64_t fused_max_m(CpuIsa isa, at::ScalarType) {
+  if (isa == CpuIsa::avx512) return 32;
+  if (isa == CpuIsa::avx2) return 8;
+  return 4;
+}
+
+int64_t large_chunk_bytes() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("HF_W4_W4A16_CHUNK_MB");
+    return static_cast<int64_t>((e && *e ? std::atof(e) : 32.0) * (1 << 20));
+  }();
+  return v;
+}
+
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
+                const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t n,
+                int64_t group_size, c10::string_view weight_type, double global_scale, c10::string_view isa_req,
+                int64_t path) {
+  const std::string wt(weight_type), ir(isa_req);
+  const int mode = mode_of(wt, zs.numel() > 0);
+  TORCH_CHECK(x_in.dim() == 2, "cpu_w4a16_gemm: x must be 2-D [M, K]");
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "cpu_w4a16_gemm: x must be float32, bfloat16 or float16");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const int64_t gs = mode == W4_NVFP4 ? 16 : group_size;
+  TORCH_CHECK(gs > 0 && K % gs == 0, "cpu_w4a16_gemm: group size must divide K");
+  const int64_t G = K / gs, P = (n + W4_NP - 1) / W4_NP;
+  TORCH_CHECK(qpack.scalar_type() == at::kByte && qpack.numel() == P * (K / 2) * W4_NP && qpack.is_contiguous(),
+              "cpu_w4a16_gemm: qpack does not match N=", n, ", K=", K);
+  TORCH_CHECK(scales.numel() == P * G * W4_NP && scales.is_contiguous() &&
+                  scales.scalar_type() == (mode == W4_NVFP4 ? at::kByte : at::kFloat),
+              "cpu_w4a16_gemm: scales do not match the packed layout");
+  TORCH_CHECK(mode != W4_ASYM || (zs.numel() == P * G * W4_NP && zs.is_contiguous() && zs.scalar_type() == at::kFloat),
+              "cpu_w4a16_gemm: zs does not match the packed layout");
+  if (bias) TORCH_CHECK(bias->numel() == n, "cpu_w4a16_gemm: bias must have N entries");
+  auto y = at::empty({M, n}, x_in.options());
+  if (M == 0 || n == 0) return y;
+  at::Tensor x = perm ? x_in.index_select(1, perm->to(at::kLong)) : x_in;
+  x = x.contiguous();
+  const CpuIsa isa = choose_isa(ir.c_str());
+
+  W4Gemm g{};
+  g.N = n; g.K = K; g.G = G; g.gs = gs; g.P = P; g.mode = mode;
+  g.qpack = qpack.data_ptr<uint8_t>();
+  g.scales = scales.data_ptr();
+  g.zs = mode == W4_ASYM ? zs.data_ptr<float>() : nullptr;
+  g.gscale = static_cast<float>(global_scale);
+  g.out = y.data_ptr(); g.ldo = n; g.out_dtype = dt_code(dt);
+
+  const bool fused = path == 0 || (path < 0 && M <= fused_max_m(isa, dt));
+  if (!fused) {
+    // large M: dequantize chunks of N to dense (bf16 for bf16 x, else fp32) and use at::linear (oneDNN / MKL)
+    const auto wdt = dt == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    at::Tensor xc = x.to(wdt);
+    std::optional<at::Tensor> bc;
+    if (bias) bc = bias->to(wdt).contiguous();
+    const int64_t esz = wdt == at::kFloat ? 4 : 2;
+    const int64_t chunk_p = std::max<int64_t>(1, large_chunk_bytes() / (K * esz * W4_NP));
+    // Chunks of HF_W4_W4A16_CHUNK_MB (default 32 MiB) of dequantized weight: few chunks = few thread barriers
+    // (on a loaded 2-core box every barrier can cost a scheduler tick) and large GEMMs for oneDNN.
+    // Reuse one workspace per calling thread: a fresh multi-MiB allocation per call costs page faults.
+    thread_local at::Tensor ws;
+    const int64_t need = std::min(P, chunk_p) * W4_NP * K * esz;
+    if (!ws.defined() || ws.numel() < need) ws = at::empty({need}, x.options().dtype(at::kByte));
+    for (int64_t c0 = 0; c0 < P; c0 += chunk_p) {
+      const int64_t c1 = std::min(P, c0 + chunk_p);
+      const int64_t n0 = c0 * W4_NP, n1 = std::min(n, c1 * W4_NP);
+      const int64_t nc = n1 - n0;
+      auto wt = at::from_blob(ws.data_ptr(), {K, nc}, x.options().dtype(wdt));  // W^T chunk [K, nc]
+      char* base = static_cast<char*>(ws.data_ptr());
+      at::parallel_for(c0, c1, 1, [&](int64_t p0, int64_t p1) {
+        void* d = base + (p0 - c0) * W4_NP * esz;
+        if (isa == CpuIsa::avx512) w4a16_dequant_avx512(g, d, dt_code(wdt), nc, p0, p1);
+        else if (isa == CpuIsa::avx2) w4a16_dequant_avx2(g, d, dt_code(wdt), nc, p0, p1);
+        else w4a16_dequant_generic(g, d, dt_code(wdt), nc, p0, p1);
+      });
+      at::Tensor w = wt.t();  // [nc, K] view
+      std::optional<at::Tensor> bslice;
+      if (bc) bslice = bc->narrow(0, n0, n1 - n0);
+      at::Tensor yc = at::linear(xc, w, bslice);
+      if (c0 == 0 && c1 == P) return yc.scalar_type() == dt ? yc : yc.to(dt);
+      y.narrow(1, n0, n1 - n0).copy_(yc);
+    }
+    return y;
+  }
+
+  at::Tensor bf;
+  if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
+  std::vector<float> xsum;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  if (mode == W4_ASYM || (isa == CpuIsa::avx2 && mode == W4_SYM)) {  // avx2 applies the -8 via sums too
+    xsum.assign(static_cast<size_t>(M) * G, 0.0f);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float s = 0.f;
+        for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) s += xp[r * K + kk];
+        xsum[r * G + gi] = s;
+      }
+  }
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (isa == CpuIsa::avx512) w4a16_fused_avx512(g, xp, M, xsum.empty() ? nullptr : xsum.data(), p0, p1);
+    else if (isa == CpuIsa::avx2) w4a16_fused_avx2(g, xp, M, xsum.empty() ? nullptr : xsum.data(), p0, p1);
+    else w4a16_fused_generic(g, xp, M, xsum.empty() ? nullptr : xsum.data(), p0, p1);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace hf_w4
+
+TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {
+  m.impl("cpu_w4a16_repack", &hf_w4::repack);
+  m.impl("cpu_w4a16_gemm", &hf_w4::gemm);
+}

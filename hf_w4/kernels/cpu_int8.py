@@ -1,0 +1,90 @@
+"""cpu_int8: compiled CPU kernel for int8 activations (W8A8 and W4A8) with ``vpdpbusd``.
+
+Runs compressed-tensors ``int-quantized`` checkpoints (W8A8: int8 weights with per-channel scales; W4A8 as
+llm-compressor writes it: int4 values held one per int8, group scales) and, opt-in, every 4-bit int format
+(GPTQ, AWQ, AutoRound, compressed-tensors int4; any group size dividing K, asymmetric zero points, GPTQ
+act-order) with dynamically quantized activations: ``spec.act`` "int8_token" (per token) or "int8_group"
+(per token and weight group). Activations are quantized exactly as compressed-tensors does (scale =
+max|x|/127.5, round half to even, clamp to [-128, 127]); the integer dot products are exact, so the result
+equals the reference path (dequantized weight, fake-quantized activations, fp32 linear) up to fp32 rounding.
+
+``prepare`` repacks the layer once (C++) into 64-column panels in VNNI-4 order (int8 weights as u8 = w + 128;
+int4 as nibble pairs, including W4A8 int4-in-int8, which halves its bytes); ``apply`` calls
+``hf_w4::int8_gemm``, which quantizes the activations in C++ and picks the ISA at run time (AVX-512 VNNI,
+AVX2 + AVX-VNNI, AVX2 with an exact vpmaddwd emulation, portable C++; ``HF_W4_ISA`` caps it). On Intel CPUs with
+AMX-INT8 (and Linux granting the tile state), M >= 32 and groups of a multiple of 64 columns run on AMX tiles
+(bit-identical results; ``HF_W4_AMX=0`` turns it off).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import layouts
+from ..formats.spec import W4Spec
+from .base import OK, Kernel
+from .registry import register
+
+_OPS = ("int8_repack", "int8_gemm")
+# |sum over a group of u8 * s8| must fit in int32: Gp * 255 * 128 < 2^31
+_MAX_GROUP = 65536
+
+
+@register
+class CpuInt8Kernel(Kernel):
+    NAME = "cpu_int8"
+    PRIORITY = 100
+    DEVICES = ("cpu",)
+    WEIGHT_TYPES = frozenset({"int8", "int4"})
+    ACTIVATIONS = frozenset({"int8_token", "int8_group"})
+    DESCRIPTION = ("compiled CPU W8A8/W4A8 kernel: dynamic per-token (or per-group) int8 activations, "
+                   "vpdpbusd on AVX-512 VNNI / AVX-VNNI, AVX2 emulation, portable C++; AMX-INT8 for M >= 32 on Intel")
+
+    @classmethod
+    def is_supported(cls):
+        from .. import _ext, ops
+        if not all(ops.has_impl(op, "CPU") for op in _OPS):
+            err = _ext.load_error()
+            return False, ("the hf_w4 CPU op library has no int8 ops" + (f": {err}" if err else
+                                                                       " (rebuild the extension)"))
+        return OK
+
+    @classmethod
+    def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
+        ok, why = super().can_implement(spec, n, k, device, dtype)
+        if not ok:
+            return ok, why
+        if spec.weight_type == "int4" and spec.bits != 4:
+            return False, f"{spec.bits}-bit int4 weights?"
+        gs = spec.effective_group(k)
+        if gs <= 0 or k % gs:
+            return False, f"group size {gs} does not divide K={k}"
+        if gs > _MAX_GROUP:
+            return False, f"group of {gs} columns > {_MAX_GROUP}: the int32 accumulation could overflow"
+        if spec.act == "int8_group" and spec.has_g_idx:
+            return False, ("int8_group activations are grouped by contiguous K columns, act-order (g_idx) weight "
+                           "groups are not: an integer dot product cannot span both")
+        return OK
+
+    def prepare(self, layer: torch.nn.Module, qw: layouts.QWeight) -> None:
+        from .. import ops
+        perm = None
+        if qw.g_idx is not None:
+            perm = layouts.act_order_perm(qw.g_idx, qw.group_size)
+            if perm is not None and self.spec.act == "int8_group":
+                raise NotImplementedError(f"{self.NAME}: int8_group activations with an act-order g_idx")
+        # int4 values held in int8 (compressed-tensors W4A8) run on the int4 layout: half the bytes
+        as_int4 = qw.weight_type == "int8" and self.spec.bits == 4
+        packed, scales, zeros = ops.int8_repack(qw, perm, as_int4=as_int4)
+        layer.register_buffer("int8_packed", packed, persistent=False)
+        layer.register_buffer("int8_scales", scales, persistent=False)
+        layer.register_buffer("int8_zeros", zeros if zeros.numel() else None, persistent=False)
+        layer.register_buffer("int8_perm", perm, persistent=False)
+        self.weight_type = "int4" if as_int4 else qw.weight_type
+        self.group_size = qw.group_size
+        self.act_group = self.spec.act == "int8_group"
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.hf_w4.int8_gemm(x, layer.int8_packed, layer.int8_scales, layer.int8_zeros, layer.int8_perm,
+                                         bias, self.weight_type, self.n, self.k, self.group_size, self.act_group, "")

@@ -1,0 +1,77 @@
+"""cpu_w4a16: compiled CPU kernel for int4 (GPTQ/AWQ/AutoRound/compressed-tensors) and NVFP4 weights with
+float activations (fp32 / bf16 / fp16).
+
+``prepare`` repacks the layer once into 32-column N-panels with K contiguous (two k per byte pair, nibble
+order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), per-group fp32 scales (NVFP4:
+fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
+permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
+(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M (fused dequantize-in-registers
+kernel for small M, dequantize-to-bf16 + oneDNN GEMM for large M; crossover in csrc/cpu/w4a16_torch.cpp).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import layouts
+from ..formats.spec import W4Spec
+from .base import Kernel, OK
+from .registry import register
+
+_OPS = ("cpu_w4a16_repack", "cpu_w4a16_gemm")
+
+
+@register
+class CpuW4A16Kernel(Kernel):
+    NAME = "cpu_w4a16"
+    PRIORITY = 100
+    DEVICES = ("cpu",)
+    WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
+    ACTIVATIONS = frozenset({"none"})
+    DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: fused AVX-512-BF16 / AVX2 / portable decode for small M, "
+                   "dequantize + bf16 GEMM for large M")
+
+    @classmethod
+    def is_supported(cls):
+        from .. import _ext, ops
+        if not all(ops.has_impl(op, "CPU") for op in _OPS):
+            err = _ext.load_error()
+            return False, ("the hf_w4 CPU op library has no cpu_w4a16 ops" + (f": {err}" if err else
+                                                                            " (rebuild the extension)"))
+        return OK
+
+    @classmethod
+    def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
+        ok, why = super().can_implement(spec, n, k, device, dtype)
+        if not ok:
+            return ok, why
+        if spec.bits != 4:
+            return False, f"{spec.bits}-bit weights not supported (4-bit only)"
+        gs = 16 if spec.weight_type == "nvfp4" else spec.effective_group(k)
+        if k % 2:
+            return False, f"K={k} is odd (the packed layout pairs K columns)"
+        if gs % 2 or k % gs:
+            return False, f"group size {gs} must be even and divide K={k}"
+        return OK
+
+    def prepare(self, layer: torch.nn.Module, qw: layouts.QWeight) -> None:
+        from .. import ops
+        perm = None
+        if qw.g_idx is not None:
+            perm = layouts.act_order_perm(qw.g_idx, qw.group_size)
+        q, s, z = ops.cpu_w4a16_repack(qw, perm)
+        layer.register_buffer("w4a16_qpack", q, persistent=False)
+        layer.register_buffer("w4a16_scales", s, persistent=False)
+        layer.register_buffer("w4a16_zs", z, persistent=False)
+        layer.register_buffer("w4a16_perm", perm, persistent=False)
+        self.group_size = 16 if qw.weight_type == "nvfp4" else qw.group_size
+        self.weight_type = qw.weight_type
+        self.global_scale = float(qw.global_scale) if qw.global_scale is not None else 1.0
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.hf_w4.cpu_w4a16_gemm(
+            x.reshape(-1, self.k), layer.w4a16_qpack, layer.w4a16_scales, layer.w4a16_zs, layer.w4a16_perm, bias,
+            self.n, self.group_size, self.weight_type, self.global_scale, "", -1)
+        return y.reshape(*lead, self.n)
