@@ -300,9 +300,12 @@ def test_registry_selects_and_rejects():
     from hf_w4.kernels.cpu_int8 import CpuInt8Kernel
     ok, why = CpuInt8Kernel.can_implement(spec4.replace(act="none"), 64, 256, dev, torch.bfloat16)
     assert not ok and "activation" in why
+    ok, why = CpuInt8Kernel.can_implement(spec4.replace(act="int8_group", has_g_idx=True, desc_act=True), 64, 256,
+                                          dev, torch.bfloat16)
+    assert not ok and "act-order" in why
     ok, why = CpuInt8Kernel.can_implement(spec4.replace(act="int8_group", has_g_idx=True), 64, 256, dev,
                                           torch.bfloat16)
-    assert not ok and "g_idx" in why
+    assert ok, why                    # a trivial g_idx (every gptq export writes one) is fine
     ok, why = CpuInt8Kernel.can_implement(spec.replace(group_size=-1), 64, 70000, dev, torch.bfloat16)
     assert not ok and "overflow" in why
 

@@ -62,8 +62,8 @@ class CpuInt8Kernel(Kernel):
             return False, f"group size {gs} does not divide K={k}"
         if gs > _MAX_GROUP:
             return False, f"group of {gs} columns > {_MAX_GROUP}: the int32 accumulation could overflow"
-        if spec.act == "int8_group" and spec.has_g_idx:
-            return False, ("int8_group activations are grouped by contiguous K columns, act-order (g_idx) weight "
+        if spec.act == "int8_group" and spec.desc_act:
+            return False, ("int8_group activations are grouped by contiguous K columns, act-order (desc_act) weight "
                            "groups are not: an integer dot product cannot span both")
         return OK
 
