@@ -140,10 +140,12 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(M, k, generator=gen).to(dt)
                 bias = bias_f.to(dt) if rnd.random() < 0.5 else None
-                for path in (-1, 0, 1) if M in (3, 17) else (-1,):
+                for path in (-1, 0, 1, 2) if M in (3, 17) else (-1,):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                            global_scale=qw.global_scale or 1.0, isa=isa, path=path)
-                    large = path == 1 or (path == -1 and M > 4)  # auto may pick the large-M path above M=4
+                    # auto may pick the large-M path above M=4; the AMX path (2; bf16 x) rounds the scaled
+                    # weights to bf16 like the large-M path, so it gets the same budget
+                    large = path in (1, 2) or (path == -1 and M > 4)
                     check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}")
 
 
@@ -221,3 +223,47 @@ def test_kernel_class_prepare_apply():
     y = kern.apply(layer, x, bias)
     assert y.shape == (2, 5, 96)
     check(y.reshape(10, 96), x.reshape(10, 256), W, bias, False, "kernel class")
+
+
+@pytest.mark.parametrize("layout,n", [("awq", 4096 // 16), ("awq", 72), ("gptq", 96), ("ct_pack", 80)])
+def test_repack_simd_matches_portable(layout, n, monkeypatch):
+    """The AWQ SIMD repack (auto ISA) must give byte-identical output to the portable code (exact: no error budget),
+    including a partial last panel (n = 72, 80) that falls back to the portable loop."""
+    spec, qw = make_qweight(layout, n, 512, 128, sym=False, seed=3)
+    monkeypatch.setenv("HF_W4_ISA", "generic")
+    ref = ops.cpu_w4a16_repack(qw)
+    monkeypatch.delenv("HF_W4_ISA")
+    for isa in ISAS:
+        monkeypatch.setenv("HF_W4_ISA", isa)
+        got = ops.cpu_w4a16_repack(qw)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b), f"{layout} n={n} isa={isa}"
+
+
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= _FLAGS
+
+
+@pytest.mark.parametrize("layout,sym,ao,gs", [("gptq", True, False, 128), ("gptq", False, True, 64),
+                                              ("awq", False, False, 32), ("ct_nvfp4", True, False, 16),
+                                              ("modelopt_nvfp4", True, False, 16)])
+def test_amx_path(layout, sym, ao, gs, monkeypatch):
+    """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the whole-panel buffer (M > 32), a
+    partial last panel (N=200) and bias; budget = the large-M budget (weights*scales rounded to bf16, fp32
+    accumulation): 2^-8 |ref| + 2^-8 sum|x||w| + 2e-6 sum|x||w|. Without AMX (other CPUs, isa capped to
+    avx2/generic, or HF_W4_AMX=0 in the environment) path=2 must fall back to a correct path."""
+    n, k = 200, 512
+    spec, qw = make_qweight(layout, n, k, gs, sym=sym, act_order=ao, seed=11)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for isa in ISAS:
+        for M in (1, 6, 16, 17, 33, 70):
+            x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
+            for b in (None, bias):
+                y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
+                                       global_scale=qw.global_scale or 1.0, isa=isa, path=2)
+                check(y, x, W, b, True, f"amx {layout} M={M} isa={isa} bias={b is not None}")
+                y2 = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
+                                        global_scale=qw.global_scale or 1.0, isa=isa, path=-1)
+                check(y2, x, W, b, M > 4, f"auto {layout} M={M} isa={isa}")

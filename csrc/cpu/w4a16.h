@@ -49,8 +49,13 @@ struct W4Repack {
   const uint8_t* scales8;                  // nvfp4: uint8 [N][G] contiguous
   const float* zeros;                      // asym: fp32 [N][G] contiguous, else null
   uint8_t* qpack; void* out_scales; float* out_zs;
+  int64_t pack_n_from;                     // pack_n codes: panels below this are written elsewhere (SIMD path)
 };
 void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1);
+// AVX2 fast path for AWQ codes (pack_n, slots {0,4,1,5,2,6,3,7}, no perm): codes of the full panels [p0, p1)
+// only (the caller guarantees 32 * p1 <= N); scales / zeros and partial panels stay with w4a16_repack_panels.
+bool w4a16_is_awq_slots(const int slots[8]);
+void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1);
 
 // ---- fused small-M kernels; compute panels [p0, p1) for all rows
 // generic / avx2: fp32 activations x [M][K] (already permuted), xsum fp32 [M][G] (asym only)
@@ -60,6 +65,11 @@ void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* x
 // dropped: on this Zen 5, vdpbf16ps measured 1.0 ns per instruction and 3.7 ns latency vs 0.24 / 1.9 ns for
 // vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
+
+// AMX-BF16 (bf16 activations, K % 32 == 0): xb bf16 [ceil(M/16)*16][ldx], rows >= M zero. Call only after
+// w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once per process).
+bool w4a16_amx_available();
+void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xb, int64_t ldx, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded
 // in): dst[k * ldd + (n - 32*p0)] for n in 32*p0 .. min(N, 32*p1) - 1, dtype DT_F32 or DT_BF16

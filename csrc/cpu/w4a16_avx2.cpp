@@ -154,3 +154,40 @@ void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, 
 }
 
 }  // namespace hf_w4
+
+namespace hf_w4 {
+// AWQ codes -> kernel layout. Per panel and k-pair j: the 4 words of k = 2j (columns 8r..8r+7, r = 0..3) in the
+// low 128-bit lane, those of k = 2j+1 in the high lane. With A = word r, B = word r+2 (r = 0, 1):
+//   T = (A & 0x0F0F0F0F) | (B & 0x0F0F0F0F) << 4   bytes = columns [c0, c4, c1, c5] (AWQ nibble order)
+//   U = (A >> 4 & 0x0F0F0F0F) | (B & 0xF0F0F0F0)   bytes = columns [c2, c6, c3, c7]
+// (low nibble = column 8r + c, high nibble = column 16 + 8r + c), then one vpermd + vpshufb put the 32 bytes
+// in kernel order (byte 16r + 2c + parity).
+void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1) {
+  const int64_t K = r.K, cs0 = r.cs0, cs1 = r.cs1;
+  const int32_t* codes = r.codes;
+  const __m256i m0f = _mm256_set1_epi32(0x0F0F0F0F), mf0 = _mm256_set1_epi32(static_cast<int>(0xF0F0F0F0u));
+  const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  const __m256i shuf = _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15,
+                                        0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15);
+  auto load4 = [&](int64_t rw0, int64_t k) -> __m128i {
+    const int32_t* s = codes + rw0 * cs0 + k * cs1;
+    if (cs0 == 1) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    return _mm_setr_epi32(s[0], s[cs0], s[2 * cs0], s[3 * cs0]);
+  };
+  for (int64_t pg = p0; pg < p1; pg += 4) {  // 4 panels share the 64-byte lines of each k-row (cs0 == 1)
+    const int64_t pe = pg + 4 < p1 ? pg + 4 : p1;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      for (int64_t p = pg; p < pe; ++p) {
+        const int64_t rw0 = p * (W4_NP / 8);
+        const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(load4(rw0, 2 * j)), load4(rw0, 2 * j + 1), 1);
+        const __m256i b = _mm256_shuffle_epi32(y, 0xEE);  // words [2, 3, 2, 3] per lane
+        const __m256i t = _mm256_or_si256(_mm256_and_si256(y, m0f), _mm256_slli_epi32(_mm256_and_si256(b, m0f), 4));
+        const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(y, 4), m0f), _mm256_and_si256(b, mf0));
+        const __m256i tu = _mm256_unpacklo_epi32(t, u);  // [T0 U0 T1 U1] per lane (lane = k parity)
+        const __m256i o = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(tu, perm), shuf);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.qpack + (p * (K / 2) + j) * W4_NP), o);
+      }
+    }
+  }
+}
+}  // namespace hf_w4

@@ -181,11 +181,12 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
     const __mmask16 mk0 = ncol >= 16 ? 0xffff : static_cast<__mmask16>((1u << ncol) - 1);
     const __mmask16 mk1 = ncol >= 32 ? 0xffff : ncol <= 16 ? 0 : static_cast<__mmask16>((1u << (ncol - 16)) - 1);
     const __mmask32 mkb = ncol >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << ncol) - 1);
-    int64_t cur_g = -1;
+    int64_t cur_g = -1, gend = 0;  // group of k-pair j, tracked without a 64-bit division per k-pair
     __m512 sd[4], zd[4];
     for (int64_t j = jb; j < je; ++j) {
-      const int64_t gi = j / kpg;
-      if (gi != cur_g) {
+      if (j >= gend || cur_g < 0) {
+        const int64_t gi = j / kpg;
+        gend = (gi + 1) * kpg;
         cur_g = gi;
         const int64_t so = (p * G + gi) * W4_NP;
         __m512 s0, s1;

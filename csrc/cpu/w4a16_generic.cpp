@@ -54,6 +54,13 @@ void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int
   }
 }
 
+bool w4a16_is_awq_slots(const int slots[8]) {
+  static const int kAwq[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (int j = 0; j < 8; ++j)
+    if (slots[j] != kAwq[j]) return false;
+  return true;
+}
+
 // ------------------------------------------------------------------------------------------------
 // repack: canonical QWeight pieces -> kernel layout, panels [p0, p1)
 void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
@@ -181,7 +188,7 @@ void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
         };
         return sp(x) | (sp(y) << 4);
       };
-      for (int64_t pg = p0; pg < p1; pg += 4) {
+      for (int64_t pg = p0 > r.pack_n_from ? p0 : r.pack_n_from; pg < p1; pg += 4) {
         const int64_t pe = pg + 4 < p1 ? pg + 4 : p1;
         for (int64_t j = 0; j < K / 2; ++j) {
           for (int64_t p = pg; p < pe; ++p) {
