@@ -71,3 +71,11 @@ def test_readme_matrix_is_generated_from_the_registry():
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     assert registry.support_matrix(status=False) in readme, \
         "README's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"
+
+
+def test_kernel_without_its_ops_says_why():
+    class NeedsOps(base.Kernel):
+        NAME, WEIGHT_TYPES, DESCRIPTION, REQUIRES_OPS = "needs_ops", frozenset({"int4"}), "t", ("no_such_op",)
+    ok, why = NeedsOps.is_supported()
+    assert not ok and "has no no_such_op" in why
+    assert NeedsOps.can_implement(SPEC, 256, 256, CPU, torch.float32) == (False, why)

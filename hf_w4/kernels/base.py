@@ -32,6 +32,7 @@ class Kernel:
     GROUP_SIZES: Optional[FrozenSet[int]] = None        # None = any group size that divides K (-1 = channel)
     SUPPORTS_G_IDX: bool = True
     SUPPORTS_ASYM: bool = True
+    REQUIRES_OPS: Tuple[str, ...] = ()                 # torch.ops.hf_w4 ops that must have a CPU/device impl
     K_MULTIPLE: int = 1
     N_MULTIPLE: int = 1
     DESCRIPTION: str = ""
@@ -39,6 +40,14 @@ class Kernel:
     # ---- declarations -> verdicts
     @classmethod
     def is_supported(cls) -> Verdict:
+        """Usable in this process? Default: every op in REQUIRES_OPS is built (the library loaded)."""
+        if cls.REQUIRES_OPS:
+            from .. import _ext, ops
+            missing = [op for op in cls.REQUIRES_OPS if not ops.has_impl(op, "CPU")]
+            if missing:
+                err = _ext.load_error()
+                return False, (f"the hf_w4 op library has no {', '.join(missing)}"
+                               + (f": {err}" if err else " (rebuild the extension)"))
         return OK
 
     @classmethod

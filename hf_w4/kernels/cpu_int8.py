@@ -26,7 +26,6 @@ from ..formats.spec import W4Spec
 from .base import OK, Kernel
 from .registry import register
 
-_OPS = ("int8_repack", "int8_gemm")
 # |sum over a group of u8 * s8| must fit in int32: Gp * 255 * 128 < 2^31
 _MAX_GROUP = 65536
 
@@ -35,20 +34,12 @@ _MAX_GROUP = 65536
 class CpuInt8Kernel(Kernel):
     NAME = "cpu_int8"
     PRIORITY = 100
+    REQUIRES_OPS = ("int8_repack", "int8_gemm")
     DEVICES = ("cpu",)
     WEIGHT_TYPES = frozenset({"int8", "int4"})
     ACTIVATIONS = frozenset({"int8_token", "int8_group"})
     DESCRIPTION = ("compiled CPU W8A8/W4A8 kernel: dynamic per-token (or per-group) int8 activations, "
                    "vpdpbusd on AVX-512 VNNI / AVX-VNNI, AVX2 emulation, portable C++; AMX-INT8 for M >= 32 on Intel")
-
-    @classmethod
-    def is_supported(cls):
-        from .. import _ext, ops
-        if not all(ops.has_impl(op, "CPU") for op in _OPS):
-            err = _ext.load_error()
-            return False, ("the hf_w4 CPU op library has no int8 ops" + (f": {err}" if err else
-                                                                       " (rebuild the extension)"))
-        return OK
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):

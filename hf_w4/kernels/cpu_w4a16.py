@@ -19,27 +19,18 @@ from ..formats.spec import W4Spec
 from .base import Kernel, OK
 from .registry import register
 
-_OPS = ("cpu_w4a16_repack", "cpu_w4a16_gemm")
 
 
 @register
 class CpuW4A16Kernel(Kernel):
     NAME = "cpu_w4a16"
     PRIORITY = 100
+    REQUIRES_OPS = ("cpu_w4a16_repack", "cpu_w4a16_gemm")
     DEVICES = ("cpu",)
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: fused AVX-512-BF16 / AVX2 / portable decode for small M, "
                    "dequantize + bf16 GEMM for large M")
-
-    @classmethod
-    def is_supported(cls):
-        from .. import _ext, ops
-        if not all(ops.has_impl(op, "CPU") for op in _OPS):
-            err = _ext.load_error()
-            return False, ("the hf_w4 CPU op library has no cpu_w4a16 ops" + (f": {err}" if err else
-                                                                            " (rebuild the extension)"))
-        return OK
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
