@@ -330,6 +330,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         res = bench_shapes(shapes, ms, usable, a.group_size, a.cold_mib, a.min_time, a.min_runs, a.rounds)
         print()
         print(table(res, shapes, ms, [c.name for c in usable]))
+        names = [c.name for c in usable]
+        if any(nm.startswith(("ours_w", "zt_")) for nm in names):   # int8 / zentorch contenders: their ratios
+            from .bench_int8 import table as int8_table
+            print()
+            print(int8_table(res, shapes, ms, names))
     if a.model or a.model_only:
         print(f"\nwhole-model greedy decode (Llama-shaped, hidden 4096, {a.layers} layers, random bf16 weights, "
               f"{a.tokens} new tokens):")

@@ -13,6 +13,7 @@ max|w|/127; W4A8 / W4A16: symmetric int4, group 128).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import List, Optional
 
 import torch
@@ -144,40 +145,16 @@ def table(results, shapes, ms, names) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hf_w4.bench_int8", description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="4096x4096", help="comma list of KxN")
-    ap.add_argument("--m", default="1,4,16,64,256,1024")
-    ap.add_argument("--contenders", default=None, help="comma list (default: bf16, ours_int4 (cpu_w4a16) and all "
-                    "int8 / zentorch contenders)")
-    ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cold-mib", type=float, default=96)
-    ap.add_argument("--min-time", type=float, default=0.2)
-    ap.add_argument("--min-runs", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-boost", action="store_true")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    if not a.no_boost:
-        _boost()
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
-    ms = [int(v) for v in a.m.split(",")]
-    cs = [DenseBF16(), OursInt4()] + CONTENDERS   # cpu_w4a16 (ours_int4) decides zentorch_w4a16's priority
-    if a.contenders:
-        want = a.contenders.split(",")
-        cs = [c for c in cs if c.name in want]
-    usable = []
-    for c in cs:
-        ok, why = c.available()
-        if ok:
-            usable.append(c)
-        else:
-            print(f"skipping {c.name}: {why}")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cold {a.cold_mib} MiB, group {a.group_size}")
-    res = bench_shapes(shapes, ms, usable, a.group_size, a.cold_mib, a.min_time, a.min_runs, a.rounds)
-    print()
-    print(table(res, shapes, ms, [c.name for c in usable]))
-    return 0
+    """``python -m hf_w4.bench_int8``: the repo benchmark (hf_w4.bench) restricted to 4096x4096 and to dense bf16,
+    cpu_w4a16 and the int8 / zentorch contenders; every hf_w4.bench option applies."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = {"--shapes": "4096x4096",
+                "--contenders": ",".join(["bf16", "ours_int4"] + [c.name for c in CONTENDERS])}
+    for opt, val in defaults.items():
+        if not any(a == opt or a.startswith(opt + "=") for a in argv):
+            argv += [opt, val]
+    from .bench import main as bench_main
+    return bench_main(argv)
 
 
 if __name__ == "__main__":
