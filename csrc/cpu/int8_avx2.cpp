@@ -331,12 +331,7 @@ HF_TAVX2 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         for (; j < Gp; ++j) {
           const int64_t kp = gi * Gp + j;
           int8_t v = 0;
-          if (j < gs) {
-            float rr = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(xg[j] / s),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            rr = rr < -128.f ? -128.f : (rr > 127.f ? 127.f : rr);
-            v = (int8_t)(int)rr;
-          }
+          if (j < gs) v = q8(xg[j], s);
           sum += v;
           Ar[(kp / 4) * MRA * 4 + kp % 4] = v;
         }

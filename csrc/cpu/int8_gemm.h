@@ -14,6 +14,7 @@
 // plus asum [M][G] (sum of the codes of each group) and ascale [M] (per token) or [M][G] (per group).
 // Result: y[m][n] = sum_g scale[n][g] * ascale * (sum_k a*u - zero*asum[m][g]), exact integer dot per group.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -113,6 +114,14 @@ struct TileArgs {
 };
 
 // scalar helpers shared by all paths
+// compressed-tensors' rounding of one activation: round half to even (default FP environment), clamp to int8.
+// The scalar tail of every ISA's activation quantizer uses this, so all paths round alike.
+inline int8_t q8(float v, float s) {
+  float r = std::nearbyint(v / s);
+  r = r < -128.f ? -128.f : (r > 127.f ? 127.f : r);
+  return (int8_t)(int)r;
+}
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16; float f; __builtin_memcpy(&f, &u, 4); return f;
 }

@@ -289,12 +289,6 @@ static inline float load_x(const void* x, int t, int64_t i) {
   return f16_to_f32(((const uint16_t*)x)[i]);
 }
 
-static inline int8_t q8(float v, float s) {
-  float r = std::nearbyint(v / s);
-  r = r < -128.f ? -128.f : (r > 127.f ? 127.f : r);
-  return (int8_t)(int)r;
-}
-
 void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
   const Geometry& g = q.g;
   float* buf = (float*)thread_scratch(3, (size_t)g.K * 4);
