@@ -78,12 +78,8 @@ def enabled(methods: Optional[Iterable[str]] = None):
     try:
         yield
     finally:
-        from transformers.quantizers import auto as qauto
-        added = [m for m in _saved if m not in before]
-        if added:
-            keep = {m: _saved[m] for m in before}
+        if set(_saved) - before:
             # uninstall everything, then put back what was installed before the block
             uninstall()
-            if keep:
-                install(keep)
-        del qauto
+            if before:
+                install(before)
