@@ -267,3 +267,22 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
                 y2 = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
                                         global_scale=qw.global_scale or 1.0, isa=isa, path=-1)
                 check(y2, x, W, b, M > 4, f"auto {layout} M={M} isa={isa}")
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_panel_blocks(threads):
+    """K = 4096: the AMX path decodes blocks of 4 whole panels for M > 32 (N = 328 -> 11 panels: full blocks,
+    a short last block and a partial last panel), with the next row block prefetched; same budget as above."""
+    n, k = 328, 4096
+    spec, qw = make_qweight("gptq", n, k, 128, sym=False, act_order=False, seed=12)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    x = torch.randn(97, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, path=2)
+    finally:
+        torch.set_num_threads(old)
+    check(y, x, W, None, True, f"amx blocks threads={threads}")

@@ -66,10 +66,14 @@ void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* x
 // vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 
-// AMX-BF16 (bf16 activations, K % 32 == 0): xb bf16 [ceil(M/16)*16][ldx], rows >= M zero. Call only after
-// w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once per process).
+// AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
+// xa bf16 [ceil(M/16)][K/32][16 rows][32], rows >= M zero (16-row blocks [mb0, mb1)), so that every A tile load
+// reads 1 KiB of contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB).
+// Call only after w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once per
+// process).
 bool w4a16_amx_available();
-void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xb, int64_t ldx, int64_t M, int64_t p0, int64_t p1);
+void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1);
+void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded
 // in): dst[k * ldd + (n - 32*p0)] for n in 32*p0 .. min(N, 32*p1) - 1, dtype DT_F32 or DT_BF16

@@ -185,13 +185,14 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
   if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m()))) {
-    const int64_t Mp = (M + 15) / 16 * 16;
-    at::Tensor xb = at::zeros({Mp, K}, x.options().dtype(at::kBFloat16));
-    xb.narrow(0, 0, M).copy_(x);
+    const int64_t MB = (M + 15) / 16;
+    at::Tensor xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    uint16_t* xap = reinterpret_cast<uint16_t*>(xa.data_ptr());
+    at::parallel_for(0, MB, 1, [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a(xs, K, M, K, xap, b0, b1); });
     at::Tensor bf;
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_amx(g, xp, K, M, p0, p1); });
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_amx(g, xap, M, p0, p1); });
     return y;
   }
   if (path == 2) path = -1;
