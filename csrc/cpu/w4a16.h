@@ -73,7 +73,10 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 // process).
 bool w4a16_amx_available();
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1);
-void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1);
+// int4 with M <= 32 and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
+// the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
+bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
+void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded
 // in): dst[k * ldd + (n - 32*p0)] for n in 32*p0 .. min(N, 32*p1) - 1, dtype DT_F32 or DT_BF16

@@ -192,7 +192,18 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     at::parallel_for(0, MB, 1, [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a(xs, K, M, K, xap, b0, b1); });
     at::Tensor bf;
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_amx(g, xap, M, p0, p1); });
+    std::vector<float> xsum;
+    if (mode == W4_ASYM && w4a16_amx_raw_ok(g, M)) {
+      xsum.assign(static_cast<size_t>(M) * G, 0.0f);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t gi = 0; gi < G; ++gi) {
+          float sacc = 0.f;
+          for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) sacc += bf16_bits_to_f32(xs[r * K + kk]);
+          xsum[r * G + gi] = sacc;
+        }
+    }
+    const float* xsp = xsum.empty() ? nullptr : xsum.data();
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_amx(g, xap, xsp, M, p0, p1); });
     return y;
   }
   if (path == 2) path = -1;
