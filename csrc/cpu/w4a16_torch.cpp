@@ -135,14 +135,20 @@ bool amx_enabled() {
   }();
   return v;
 }
-// Smallest M for which bf16 x takes the AMX path in the automatic choice. Measured on the 2-vCPU AVX-512/AMX
-// Xeon VM (K=N=4096, g128, bf16 x, 2 threads, medians, loaded box), ms:
-//   M        4     8     16    64    256   1024
-//   fused   1.33  2.41  4.02  16.6  56.2  224
-//   deq+lin 8.18  9.30  8.19  10.0  18.7  69.9
-//   amx     1.54  1.74  1.74  5.06  14.2  54.4    (dense bf16 F.linear: 2.49 3.34 3.07 7.87 13.2 22.3)
-// -> AMX from M = 6 up; below, the fp32-FMA fused kernel (the AMX decode is not amortized over rows).
-int64_t amx_min_m() { return 6; }
+// Smallest M for which bf16 x takes the AMX path in the automatic choice. Measured on the 2-vCPU AMX Xeon VM
+// (K=N=4096, g128, bf16 x, 2 threads, cold weights, min / median of 40 calls, ms):
+//   M                      1          2          4          8          16         32
+//   int4 fused fp32-FMA    0.70/0.78  0.75/0.86  1.05/1.10  1.94/2.08  3.60/3.72  7.3/7.5
+//   int4 AMX raw codes     0.66/0.74  0.70/0.79  0.70/0.78  0.79/0.86  0.79/0.97  1.8/1.9
+//   nvfp4 fused fp32-FMA   0.72/0.78  0.79/0.87  1.24/1.30  2.38/2.57  3.63/4.32  7.3/8.5
+//   nvfp4 AMX raw codes    1.30/1.33  1.32/1.40  1.34/1.44  1.36/1.49  1.62/1.94  2.6/3.5
+//   (torch int4pack        0.73/0.82  1.04/1.10  1.42/1.49  2.77/2.91  4.80/5.38  9.4/10.7)
+// -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4 (a tile flush per 16-element block): from
+// M = 5; the rest (int4 with other groups: scales folded into the decode) from M = 6.
+int64_t amx_min_m(const W4Gemm& g) {
+  if (g.mode != W4_NVFP4 && g.gs % 32 == 0) return 1;
+  return g.mode == W4_NVFP4 ? 5 : 6;
+}
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
                 const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t n,
@@ -184,7 +190,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   // automatic choice when the CPU / OS / shape does not allow it. HF_W4_AMX=0 disables it in the auto choice.
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
-  if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m()))) {
+  if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m(g)))) {
     const int64_t MB = (M + 15) / 16;
     at::Tensor xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
