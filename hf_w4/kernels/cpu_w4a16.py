@@ -5,8 +5,11 @@ float activations (fp32 / bf16 / fp16).
 order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), per-group fp32 scales (NVFP4:
 fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
 permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
-(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M (fused dequantize-in-registers
-kernel for small M, dequantize-to-bf16 + oneDNN GEMM for large M; crossover in csrc/cpu/w4a16_torch.cpp).
+(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: on CPUs with AMX-BF16 and bf16
+activations, AMX tiles at every M for int4 (code values straight into the tiles, scales on the accumulators, for
+M <= 32; panels decoded once with the scales folded in for larger M); elsewhere a fused
+dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M
+(crossovers measured in csrc/cpu/w4a16_torch.cpp).
 """
 from __future__ import annotations
 
