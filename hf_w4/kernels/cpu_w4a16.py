@@ -32,8 +32,8 @@ class CpuW4A16Kernel(Kernel):
     DEVICES = ("cpu",)
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
-    DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: fused AVX-512-BF16 / AVX2 / portable decode for small M, "
-                   "dequantize + bf16 GEMM for large M")
+    DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: AMX-BF16 tiles at every M on Intel (bf16 activations); "
+                   "fused AVX-512 / AVX2 / portable decode for small M, dequantize + bf16 GEMM for large M")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
