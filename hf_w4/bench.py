@@ -6,7 +6,7 @@
     python -m hf_w4.bench --model              # whole-model greedy decode tokens/s (Llama-shaped, random)
 
 Method: 2 threads (torch.set_num_threads), cold weights (each contender rotates over enough weight copies to
-exceed --cold-mib, default 96 MiB > 32 MiB L3), per (shape, M, contender) the median of >= --min-runs calls
+exceed --cold-mib, default max(96 MiB, 2 x this CPU's L3)), per (shape, M, contender) the median of >= --min-runs calls
 and >= --min-time seconds, rounds interleaved. Contenders follow a small interface (name, available(),
 prepare(w_fp32 [N, K], group_size) -> state per weight copy, run(state, x_bf16 [M, K]) -> y); extra contenders
 are imported from ``hf_w4.bench_int8.CONTENDERS`` when that module exists.
@@ -182,6 +182,16 @@ def time_calls(fn: Callable[[int], object], ncopies: int, min_time: float, min_r
     return statistics.median(ts)
 
 
+def l3_mib() -> float:
+    """This CPU's last-level cache in MiB from sysfs (0 if unknown)."""
+    try:
+        txt = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return 0.0
+    mult = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(txt[-1:], 1 / 2 ** 20)
+    return float(txt.rstrip("KMG")) * mult
+
+
 def bench_shapes(shapes, ms, contenders, group_size=128, cold_mib=96, min_time=0.2, min_runs=5, rounds=3,
                  log=print):
     torch.manual_seed(0)
@@ -294,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--contenders", default=None, help="comma list of names (default: all available)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cold-mib", type=float, default=96)
+    ap.add_argument("--cold-mib", type=float, default=None, help="default: max(96, 2 x the L3 size in MiB)")
     ap.add_argument("--min-time", type=float, default=0.2)
     ap.add_argument("--min-runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -314,6 +324,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = [(4096, 4096), (2048, 2048)] if not a.shapes else shapes
         ms = [1, 16, 256] if not a.m else ms
         a.min_time, a.rounds, a.min_runs = 0.05, 1, 3
+    if a.cold_mib is None:   # rotate over clearly more than the last-level cache (105 MiB on the AMX Xeon VM)
+        a.cold_mib = max(96.0, round(2 * l3_mib()))
     cs = all_contenders()
     if a.contenders:
         want = a.contenders.split(",")
