@@ -6,9 +6,9 @@
 // the packed layout's (column, parity) lanes are exactly that order, so no shuffles), and multiplied with a
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
-// M <= 32: decoded on the fly, shared by the two 16-row blocks; M > 32: a block of whole panels (~1 MiB) is
-// decoded once into a per-thread buffer and every 32-row block runs over it, so the decode is paid once per
-// weight, and the next row block is prefetched into L2. Measured (1 thread, K=N=4096, hot, quiet minima):
+// A block of whole panels (~1 MiB) is decoded once into a per-thread buffer and every 32-row block runs over
+// it, so the decode is paid once per weight, and the next row block is prefetched into L2. (M <= 32 mostly
+// takes amx_small_raw below instead: raw codes, scales on the accumulators.) Measured (1 thread, K=N=4096, hot, quiet minima):
 // decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s; oneDNN's dense
 // bf16 ~0.95 TFLOP/s). Tried and dropped: K-blocking with the C tiles spilled to L1 between 256-k chunks
 // (1.3-2x slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB
@@ -74,7 +74,6 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t bbuf[2 * 16 * 32];
   alignas(64) float cbuf[2][16][32];
   // 16 k-pairs of panel p from k-pair kb on -> B tiles dst[0..511] (columns 0..15), dst[512..1023] (16..31)
   auto decode = [&](int64_t p, int64_t kb, uint16_t* dst) {
@@ -88,13 +87,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
         gend = (gi + 1) * kpg;
         const int64_t so = (p * G + gi) * W4_NP;
         __m512 s0, s1;
-        if (MODE == W4_NVFP4) {
-          const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + so;
-          s0 = fp8x16_to_ps(sp); s1 = fp8x16_to_ps(sp + 16);
-        } else {
-          const float* sp = static_cast<const float*>(g.scales) + so;
-          s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
-        }
+        load_scales<MODE>(g, so, s0, s1);
         sd[0] = _mm512_permutexvar_ps(dupA, s0); sd[1] = _mm512_permutexvar_ps(dupA, s1);
         sd[2] = _mm512_permutexvar_ps(dupB, s0); sd[3] = _mm512_permutexvar_ps(dupB, s1);
         if (MODE == W4_ASYM) {
@@ -120,33 +113,8 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
       w4a16_store_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
-  if (MB <= 2) {
-    // M <= 32: decode 16 k-pairs at a time into bbuf (L1) and use them at once for both row blocks
-    const bool two = MB == 2;
-    const uint16_t* a1 = xa + KB * 512;
-    for (int64_t p = p0; p < p1; ++p) {
-      _tile_zero(3); _tile_zero(4);
-      if (two) { _tile_zero(5); _tile_zero(6); }
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        decode(p, 16 * kb, bbuf);
-        _tile_loadd(1, bbuf, 64);
-        _tile_loadd(2, bbuf + 512, 64);
-        _tile_loadd(0, xa + kb * 512, 64);
-        _tile_dpbf16ps(3, 0, 1);
-        _tile_dpbf16ps(4, 0, 2);
-        if (two) {
-          _tile_loadd(7, a1 + kb * 512, 64);
-          _tile_dpbf16ps(5, 7, 1);
-          _tile_dpbf16ps(6, 7, 2);
-        }
-      }
-      epilogue(p, 0, two);
-    }
-    _tile_release();
-    return;
-  }
-  // M > 32: decode a block of NB whole panels (NB * K * 64 bytes, ~1 MiB, stays in L2) once, then run every
-  // 32-row block of the (tile-packed) activations over it
+  // decode a block of NB whole panels (NB * K * 64 bytes, ~1 MiB, stays in L2) once, then run every 32-row
+  // block of the (tile-packed) activations over it
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (K * 64)));
   thread_local std::vector<uint16_t> pbuf;
   if (pbuf.size() < static_cast<size_t>(NB * K * 32)) pbuf.resize(static_cast<size_t>(NB * K * 32));
@@ -258,13 +226,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
   auto apply = [&](int64_t p, int64_t gi, const float(*cb)[32]) {
     const int64_t so = (p * G + gi) * W4_NP;
     __m512 s0, s1;
-    if (MODE == W4_NVFP4) {
-      const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + so;
-      s0 = fp8x16_to_ps(sp); s1 = fp8x16_to_ps(sp + 16);
-    } else {
-      const float* sp = static_cast<const float*>(g.scales) + so;
-      s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
-    }
+    load_scales<MODE>(g, so, s0, s1);
     for (int64_t m = 0; m < M; ++m) {
       __m512 v0 = _mm512_fmadd_ps(_mm512_load_ps(cb[m]), s0, _mm512_load_ps(acc[m]));
       __m512 v1 = _mm512_fmadd_ps(_mm512_load_ps(cb[m] + 16), s1, _mm512_load_ps(acc[m] + 16));

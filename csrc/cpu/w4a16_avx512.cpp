@@ -14,19 +14,6 @@
 namespace hf_w4 {
 namespace {
 
-template <int MODE>
-inline void load_scales(const W4Gemm& g, int64_t so, __m512& s0, __m512& s1) {
-  if (MODE == W4_NVFP4) {
-    const uint8_t* p = static_cast<const uint8_t*>(g.scales) + so;
-    s0 = fp8x16_to_ps(p);
-    s1 = fp8x16_to_ps(p + 16);
-  } else {
-    const float* p = static_cast<const float*>(g.scales) + so;
-    s0 = _mm512_loadu_ps(p);
-    s1 = _mm512_loadu_ps(p + 16);
-  }
-}
-
 __m512 f32_lut(int mode) {
   alignas(64) float t[16];
   for (int c = 0; c < 16; ++c)

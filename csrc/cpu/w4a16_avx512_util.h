@@ -4,6 +4,8 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "w4a16.h"
+
 namespace hf_w4 {
 namespace {
 
@@ -13,6 +15,20 @@ inline __m512 fp8x16_to_ps(const uint8_t* p) {
   const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
   const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
   return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sgn)), _mm512_set1_ps(0x1p120f));
+}
+
+// the 32 columns' group scales at offset so of g.scales (fp32, or NVFP4 fp8 bytes) -> columns 0..15, 16..31
+template <int MODE>
+inline void load_scales(const W4Gemm& g, int64_t so, __m512& s0, __m512& s1) {
+  if (MODE == W4_NVFP4) {
+    const uint8_t* p = static_cast<const uint8_t*>(g.scales) + so;
+    s0 = fp8x16_to_ps(p);
+    s1 = fp8x16_to_ps(p + 16);
+  } else {
+    const float* p = static_cast<const float*>(g.scales) + so;
+    s0 = _mm512_loadu_ps(p);
+    s1 = _mm512_loadu_ps(p + 16);
+  }
 }
 
 }  // namespace
