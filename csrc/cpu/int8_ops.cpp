@@ -127,8 +127,9 @@ ActQ quantize(const at::Tensor& x2, const int64_t* pp, const Geometry& g, bool a
   const int64_t Mt = (M + MRA - 1) / MRA;
   ActQ r;
   r.g = g;
-  // row-major (AMX) reads whole 32-row blocks: pad the allocation (rows >= M are never written or used)
-  r.A = at::empty({rowmajor ? (M + 31) / 32 * 32 * g.Kp : Mt * MRA * g.Kp}, x2.options().dtype(at::kChar));
+  // AMX layout (rowmajor) reads whole 16-row blocks: pad the allocation (rows >= M are never written; their
+  // results are never stored)
+  r.A = at::empty({rowmajor ? (M + 15) / 16 * 16 * g.Kp : Mt * MRA * g.Kp}, x2.options().dtype(at::kChar));
   r.asum = at::empty({M, g.G}, x2.options().dtype(at::kInt));
   r.ascale = at::empty({M, act_group ? g.G : 1}, x2.options().dtype(at::kFloat));
   QuantArgs q;
@@ -232,7 +233,15 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   int64_t nmc = (Mr + 479) / 480;
   if (M > 4 * MRA && g.P < 2 * nt) nmc = std::max<int64_t>(nmc, std::min<int64_t>((2 * nt + g.P - 1) / g.P, Mr / (2 * MRA)));
   int64_t mchunk = ((Mr + nmc - 1) / nmc + MRA - 1) / MRA * MRA;
-  nmc = (Mr + mchunk - 1) / mchunk;
+  if (amx_ok) {
+    // AMX: chunks of a multiple of 16 rows (its activation blocks) and at most 256 rows, so the chunk's
+    // activations (256 x K bytes) stay in L2 while the item loops over the panels
+    const int64_t M16 = (M + 15) / 16 * 16;
+    nmc = (M16 + 255) / 256;
+    if (g.P < 2 * nt) nmc = std::max<int64_t>(nmc, std::min<int64_t>((2 * nt + g.P - 1) / g.P, M16 / 16));
+    mchunk = ((M16 + nmc - 1) / nmc + 15) / 16 * 16;
+  }
+  nmc = (M + mchunk - 1) / mchunk;
   p.mchunk = mchunk; p.nmchunks = nmc;
   const int64_t items = nmc * g.P;
   if (amx_ok) {
