@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <cstdlib>
 
 #include "int8_gemm.h"
 
@@ -248,9 +249,26 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
                    : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c])
                                            : f16_to_f32(((const uint16_t*)xr)[c]);
         }
-      } else {
+      }
+      __m512 mx = _mm512_setzero_ps();  // max |x| of the vector part, fused into the copy when there is no perm
+      bool have_mx = false;
+      if (!q.perm) {
         int64_t j = 0;
-        for (; j + 16 <= K; j += 16) _mm512_storeu_ps(buf + j, load16(xr, q.in_type, j));
+        __m512 mx1 = _mm512_setzero_ps();
+        for (; j + 32 <= K; j += 32) {
+          const __m512 v0 = load16(xr, q.in_type, j), v1 = load16(xr, q.in_type, j + 16);
+          _mm512_storeu_ps(buf + j, v0);
+          _mm512_storeu_ps(buf + j + 16, v1);
+          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
+          mx1 = _mm512_max_ps(mx1, _mm512_and_ps(v1, absmask));
+        }
+        for (; j + 16 <= K; j += 16) {
+          const __m512 v0 = load16(xr, q.in_type, j);
+          _mm512_storeu_ps(buf + j, v0);
+          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
+        }
+        mx = _mm512_max_ps(mx, mx1);
+        have_mx = true;
         for (; j < K; ++j)
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
                    : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[j])
@@ -258,9 +276,10 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
       }
       float s_tok = 0.f;
       if (!q.act_group) {
-        __m512 mx = _mm512_setzero_ps();
         int64_t j = 0;
-        for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
+        if (have_mx) j = K / 16 * 16;
+        else
+          for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
         float m1 = _mm512_reduce_max_ps(mx);
         for (; j < K; ++j) m1 = buf[j] < 0 ? (-buf[j] > m1 ? -buf[j] : m1) : (buf[j] > m1 ? buf[j] : m1);
         s_tok = m1 / 127.5f;
@@ -280,12 +299,21 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           if (s == 0.f) s = 1.f;
           q.ascale[m * g.G + gi] = s;
         }
-        const __m512 sv = _mm512_set1_ps(s);
+        // x / s (correctly rounded) then round half to even. vdivps is slow, so the quotient comes from x * (1/s),
+        // which is within 2^-15 of the correctly rounded one (|x/s| <= 128: two roundings of 2^-24 relative):
+        // both round to the same integer unless the product lies within 2^-10 of a .5 boundary (or is not
+        // finite); those lanes (rare) are divided exactly.
+        const __m512 sv = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s);
+        const __m512 half = _mm512_set1_ps(0.5f), eps = _mm512_set1_ps(1.f / 1024);
         __m512i vsum = _mm512_setzero_si512();
         int32_t sum = 0;
         int64_t j = 0;
         for (; j + 16 <= gs; j += 16) {
-          __m512 v = _mm512_div_ps(_mm512_loadu_ps(xg + j), sv);
+          const __m512 xv = _mm512_loadu_ps(xg + j);
+          __m512 v = _mm512_mul_ps(xv, inv);
+          const __m512 fr = _mm512_sub_ps(v, _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+          const __mmask16 tie = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(fr, half), absmask), eps, _CMP_NGE_UQ);
+          if (tie) v = _mm512_mask_div_ps(v, tie, xv, sv);
           v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
           const __m512i qi = _mm512_cvtps_epi32(v);
@@ -327,6 +355,7 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 
 
 // ------------------------------------------------------------------------------------------------
+static int dbg = 0;
 // AMX-INT8 (Intel Sapphire Rapids and later). Work item = (row chunk starting at a multiple of 16, 64-column
 // panel). Per K slice of kc packed columns the panel's weights are converted once into signed int8 B tiles
 // (int8: u8 ^ 0x80 = w; int4: code - zero, which fits int8 for zeros in [-112, 128]: the zero point is folded
@@ -404,14 +433,19 @@ HF_TAMX __attribute__((always_inline)) inline void amx_epilogue(const Plan& p, c
 }
 
 // packed columns [k0, k1) of a panel -> signed int8 B tiles (see above). fold: subtract the zero point.
+// (dst holds the slice starting at packed column kbase). Besides the near prefetch, each source line is
+// prefetched into L2 `far` bytes ahead (one slice: it is converted during the next slice's work, so the
+// memory stream stays deep even when the conversion is spread thinly over many row blocks).
 HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bool fold, int64_t k0, int64_t k1,
-                         int8_t* dst) {
-  const int64_t q0 = k0 / 4;
+                         int8_t* dst, int64_t kbase, int64_t far) {
+  const int64_t q0 = kbase / 4;
   if (p.g.wtype == W_INT8) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int64_t q = q0; q < k1 / 4; ++q) {
+    for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
       const uint8_t* src = Bp + q * 256;
-      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+      if (!(dbg & 16)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+      if (!(dbg & 8)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+      if (dbg & 32) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T0);
       int8_t* d = dst + ((q - q0) >> 4) * 4096 + ((q - q0) & 15) * 64;
       for (int j = 0; j < 4; ++j) _mm512_store_si512(d + j * 1024, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * j), flip));
     }
@@ -438,7 +472,9 @@ HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bo
       }
     }
     const uint8_t* src = Bp + q2 * 256;
-    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+    if (!(dbg & 16)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+    if (!(dbg & 8)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+    if (dbg & 32) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T0);
     const int64_t ql = 2 * q2 - q0;  // even: quads ql, ql + 1 share a k tile
     int8_t* d = dst + (ql >> 4) * 4096 + (ql & 15) * 64;
 #define HF_CVT4(J)                                                                                  \
@@ -463,16 +499,24 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
   const uint8_t* Bp = p.B + pn * p.panel_bytes;
   const float* Sp = p.scales + pn * G * NR;
   const int32_t* Zp = p.zeros ? p.zeros + pn * G * NR : nullptr;
-  const int64_t kc = Gp <= AMX_KC ? AMX_KC / Gp * Gp : AMX_KC;
+  const int64_t KCX = (dbg & 64) ? 256 : (dbg & 128) ? 1024 : AMX_KC;
+  const int64_t kc = Gp <= KCX ? KCX / Gp * Gp : KCX;
   float* Cf = (float*)thread_scratch(0, (size_t)nb * 16 * NR * 4);
   int32_t* Ci = kc % Gp ? (int32_t*)thread_scratch(1, (size_t)nb * 16 * NR * 4) : nullptr;
-  int8_t* buf = (int8_t*)thread_scratch(2, (size_t)kc * NR);
+  // two slice buffers: the next slice is converted (streamed from memory) while the AMX unit works on this one
+  int8_t* bufs = (int8_t*)thread_scratch(2, (size_t)2 * kc * NR);
   alignas(64) int32_t cb[16 * NR];
   AmxEpi pend{nullptr, 0, 0, 0, false};
   const int8_t* Ab = p.A + m0 * Kp;  // m0 % 16 == 0: the chunk's first 16-row block
-  for (int64_t k0 = 0; k0 < Kp; k0 += kc) {
+  const int64_t far = g.wtype == W_INT8 ? kc * NR : kc * NR / 2;  // source bytes of one slice
+  amx_convert(p, Bp, Zp, !ZC, 0, kc < Kp ? kc : Kp, bufs, 0, far);
+  for (int64_t k0 = 0, sl = 0; k0 < Kp; k0 += kc, ++sl) {
     const int64_t k1 = k0 + kc < Kp ? k0 + kc : Kp;
-    amx_convert(p, Bp, Zp, !ZC, k0, k1, buf);
+    const int8_t* buf = bufs + (sl & 1) * kc * NR;
+    int8_t* nbuf = bufs + ((sl + 1) & 1) * kc * NR;
+    // the next slice [k1, k2) in nn k-tile chunks, spread evenly over this slice's nsteps k steps
+    const int64_t k2 = k1 + kc < Kp ? k1 + kc : Kp, nn = (k2 - k1) / 64, nsteps = nb * ((k1 - k0) / 64);
+    int64_t step = 0, done = 0;
     for (int64_t rb = 0; rb < nb; ++rb) {
       const int8_t* Ar = Ab + rb * 16 * Kp;
       int32_t* ci = Ci ? Ci + rb * 16 * NR : nullptr;
@@ -492,7 +536,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
         }
         for (int64_t kt = gs0 / 64; kt < gs1 / 64; ++kt) {
           const int8_t* Bk = buf + (kt - k0 / 64) * 4096;
-          _tile_loadd(4, Ar + kt * 1024, 64);
+          _tile_loadd(4, (dbg & 4) ? Ab + (kt & 7) * 1024 : Ar + kt * 1024, 64);
           _tile_loadd(5, Bk, 64);
           _tile_dpbssd(0, 4, 5);
           _tile_loadd(6, Bk + 1024, 64);
@@ -501,9 +545,16 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           _tile_dpbssd(2, 4, 7);
           _tile_loadd(5, Bk + 3072, 64);
           _tile_dpbssd(3, 4, 5);
+          if (nn && !(dbg & 2)) {
+            const int64_t upto = ++step * nn / nsteps;
+            if (upto > done) {
+              amx_convert(p, Bp, Zp, !ZC, k1 + done * 64, k1 + upto * 64, nbuf, k1, far);
+              done = upto;
+            }
+          }
         }
         if (pend.live) {  // the previous group's epilogue, while these TDPs run
-          amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
+          if (!(dbg & 1)) amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
           pend.live = false;
         }
         if (gs1 % Gp) {  // the group continues in the next slice
@@ -548,6 +599,7 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
+  dbg = std::getenv("HF_DBG") ? std::atoi(std::getenv("HF_DBG")) : 0;
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t pn = it % p.g.P;
     if (p.zeros && !amx_zeros_fold(p.zeros + pn * p.g.G * NR, p.g.G * NR)) amx_item<true>(p, it);
