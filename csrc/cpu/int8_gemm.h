@@ -150,7 +150,9 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
     const bool single = ntiles == 1;
     const int64_t kc = single ? Kp : KC;
     float* Cf = (float*)thread_scratch(0, (size_t)ntiles * MRA * NR * 4);
-    int32_t* Ci = (Gp > kc) ? (int32_t*)thread_scratch(1, (size_t)ntiles * MRA * NR * 4) : nullptr;
+    // int32 partials of a group split across K blocks (a group longer than a block, or one straddling a block
+    // boundary when Gp does not divide KC, e.g. group 192)
+    int32_t* Ci = (Kp > kc && kc % Gp != 0) ? (int32_t*)thread_scratch(1, (size_t)ntiles * MRA * NR * 4) : nullptr;
     const bool decode = g.wtype == W_INT4 && !single;
     uint8_t* dec = decode ? (uint8_t*)thread_scratch(2, (size_t)kc * NR) : nullptr;
     for (int64_t k0 = 0; k0 < Kp; k0 += kc) {
