@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <cstdlib>
 
 #include "int8_gemm.h"
 
@@ -355,7 +354,6 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 
 
 // ------------------------------------------------------------------------------------------------
-static int dbg = 0;
 // AMX-INT8 (Intel Sapphire Rapids and later). Work item = (row chunk starting at a multiple of 16, 64-column
 // panel). Per K slice of kc packed columns the panel's weights are converted once into signed int8 B tiles
 // (int8: u8 ^ 0x80 = w; int4: code - zero, which fits int8 for zeros in [-112, 128]: the zero point is folded
@@ -443,9 +441,8 @@ HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bo
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
       const uint8_t* src = Bp + q * 256;
-      if (!(dbg & 16)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
-      if (!(dbg & 8)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
-      if (dbg & 32) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
       int8_t* d = dst + ((q - q0) >> 4) * 4096 + ((q - q0) & 15) * 64;
       for (int j = 0; j < 4; ++j) _mm512_store_si512(d + j * 1024, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * j), flip));
     }
@@ -472,9 +469,8 @@ HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bo
       }
     }
     const uint8_t* src = Bp + q2 * 256;
-    if (!(dbg & 16)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
-    if (!(dbg & 8)) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
-    if (dbg & 32) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
     const int64_t ql = 2 * q2 - q0;  // even: quads ql, ql + 1 share a k tile
     int8_t* d = dst + (ql >> 4) * 4096 + (ql & 15) * 64;
 #define HF_CVT4(J)                                                                                  \
@@ -499,8 +495,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
   const uint8_t* Bp = p.B + pn * p.panel_bytes;
   const float* Sp = p.scales + pn * G * NR;
   const int32_t* Zp = p.zeros ? p.zeros + pn * G * NR : nullptr;
-  const int64_t KCX = (dbg & 64) ? 256 : (dbg & 128) ? 1024 : AMX_KC;
-  const int64_t kc = Gp <= KCX ? KCX / Gp * Gp : KCX;
+  const int64_t kc = Gp <= AMX_KC ? AMX_KC / Gp * Gp : AMX_KC;
   float* Cf = (float*)thread_scratch(0, (size_t)nb * 16 * NR * 4);
   int32_t* Ci = kc % Gp ? (int32_t*)thread_scratch(1, (size_t)nb * 16 * NR * 4) : nullptr;
   // two slice buffers: the next slice is converted (streamed from memory) while the AMX unit works on this one
@@ -536,7 +531,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
         }
         for (int64_t kt = gs0 / 64; kt < gs1 / 64; ++kt) {
           const int8_t* Bk = buf + (kt - k0 / 64) * 4096;
-          _tile_loadd(4, (dbg & 4) ? Ab + (kt & 7) * 1024 : Ar + kt * 1024, 64);
+          _tile_loadd(4, Ar + kt * 1024, 64);
           _tile_loadd(5, Bk, 64);
           _tile_dpbssd(0, 4, 5);
           _tile_loadd(6, Bk + 1024, 64);
@@ -545,7 +540,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           _tile_dpbssd(2, 4, 7);
           _tile_loadd(5, Bk + 3072, 64);
           _tile_dpbssd(3, 4, 5);
-          if (nn && !(dbg & 2)) {
+          if (nn) {
             const int64_t upto = ++step * nn / nsteps;
             if (upto > done) {
               amx_convert(p, Bp, Zp, !ZC, k1 + done * 64, k1 + upto * 64, nbuf, k1, far);
@@ -554,7 +549,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           }
         }
         if (pend.live) {  // the previous group's epilogue, while these TDPs run
-          if (!(dbg & 1)) amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
+          amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
           pend.live = false;
         }
         if (gs1 % Gp) {  // the group continues in the next slice
@@ -599,7 +594,6 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
-  dbg = std::getenv("HF_DBG") ? std::atoi(std::getenv("HF_DBG")) : 0;
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t pn = it % p.g.P;
     if (p.zeros && !amx_zeros_fold(p.zeros + pn * p.g.G * NR, p.g.G * NR)) amx_item<true>(p, it);
