@@ -360,9 +360,12 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 // into the integer dot, which stays exact, so a group's epilogue is a plain convert + scale), laid out
 // [k tile][column tile j][16 quads][64 B] in an L1-resident buffer. Each 16-row block then keeps 4 C tiles
 // (16 x 64 int32): per 64-deep K step 1 A tile + 4 B tiles + 4 TDPBSSD. A finished group goes through a 4 KiB
-// int32 buffer into the fp32 row accumulators; that epilogue runs after the next group's TDPs are issued, so
-// the vector units work while the AMX unit computes. Activations come in 16-row tile blocks (quant_tiles
-// with rowmajor). Used only when the CPU and the OS allow it (see amx_usable).
+// int32 buffer into the fp32 row accumulators; that epilogue runs in shares after each K step of the next
+// group (its TDPs already issued), so the vector units work while the AMX unit computes. While a slice is
+// computed, the next one is converted in small pieces between the K steps (two slice buffers), which keeps the
+// weight stream going at small M. Activations come in 16-row tile blocks (quant_tiles with rowmajor). Results
+// are bit-identical to the AVX-512 path (same exact integers, same fp32 operations in the same order).
+// Used only when the CPU and the OS allow it (see amx_usable).
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
@@ -383,7 +386,8 @@ struct AmxEpi {  // a finished group whose int32 results wait in the tile buffer
 // ZC: zeros not folded into the weights (out of int8 range): subtract zero * asum here
 template <bool ZC>
 HF_TAMX __attribute__((always_inline)) inline void amx_epilogue(const Plan& p, const int32_t* cb, const float* Sp,
-                                                                const int32_t* Zp, const AmxEpi& e) {
+                                                                const int32_t* Zp, const AmxEpi& e, int64_t r0,
+                                                                int64_t r1) {
   const int64_t G = p.g.G, g = e.g;
   const float* sc = Sp + g * NR;
   const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
@@ -396,7 +400,8 @@ HF_TAMX __attribute__((always_inline)) inline void amx_epilogue(const Plan& p, c
     z3 = _mm512_loadu_si512(Zp + g * NR + 48);
   }
   const bool first = g == 0;
-  for (int64_t r = 0; r < e.nr; ++r) {
+  if (r1 > e.nr) r1 = e.nr;
+  for (int64_t r = r0; r < r1; ++r) {
     const int64_t m = e.m + r;
     __m512 t0 = s0, t1 = s1, t2 = s2, t3 = s3;
     if (p.act_group) {
@@ -529,7 +534,8 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           _tile_zero(2);
           _tile_zero(3);
         }
-        for (int64_t kt = gs0 / 64; kt < gs1 / 64; ++kt) {
+        const int64_t kt0 = gs0 / 64, ntk = gs1 / 64 - kt0;
+        for (int64_t kt = kt0; kt < gs1 / 64; ++kt) {
           const int8_t* Bk = buf + (kt - k0 / 64) * 4096;
           _tile_loadd(4, Ar + kt * 1024, 64);
           _tile_loadd(5, Bk, 64);
@@ -547,11 +553,12 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
               done = upto;
             }
           }
+          if (pend.live) {  // a share of the previous group's epilogue after each k step's TDPs are issued
+            const int64_t i = kt - kt0;
+            amx_epilogue<ZC>(p, cb, Sp, Zp, pend, 16 * i / ntk, 16 * (i + 1) / ntk);
+          }
         }
-        if (pend.live) {  // the previous group's epilogue, while these TDPs run
-          amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
-          pend.live = false;
-        }
+        pend.live = false;
         if (gs1 % Gp) {  // the group continues in the next slice
           _tile_stored(0, ci, NR * 4);
           _tile_stored(1, ci + 16, NR * 4);
@@ -567,7 +574,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
       }
     }
   }
-  if (pend.live) amx_epilogue<ZC>(p, cb, Sp, Zp, pend);
+  if (pend.live) amx_epilogue<ZC>(p, cb, Sp, Zp, pend, 0, 16);
   const int64_t ncols = (g.N - pn * NR < NR) ? g.N - pn * NR : NR;
   const int64_t es = p.out_type == OUT_F32 ? 4 : 2;
   T512::store_rows(Cf, rows, (char*)p.out + (m0 * p.ldo + pn * NR) * es, p.ldo, p.out_type, ncols,
