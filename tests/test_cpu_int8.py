@@ -122,6 +122,7 @@ CASES = [
     ("ct_pack", 72, 240, 48, False, False),  # group 48 (padded to 48), N = 72
     ("gptq", 96, 96, 24, True, False),       # group 24 -> padded to 24 (multiple of 8)
     ("ct_pack", 64, 120, 40, True, False),   # group 40 -> padded 40
+    ("ct_pack", 104, 768, 192, False, False),  # group 192 straddles the 512-column K blocks: int32 partials
 ]
 
 
@@ -188,20 +189,30 @@ def _amx_usable():
         return False
 
 
+AMX_CASES = [
+    ("w8a8", 192, 576, -1, True, False), ("w8a8", 130, 1024, -1, True, False),
+    ("w4a8_ct", 192, 576, 64, True, False), ("gptq", 256, 512, 128, False, False),
+    ("gptq", 192, 1024, 128, True, True), ("awq", 192, 512, 64, False, False),
+    ("gptq", 64, 1152, -1, True, False),     # one group over K = 1152: int32 tiles carried across K slices
+    ("ct_pack", 104, 768, 192, False, False),  # group 192: slices of 384 columns; N not a multiple of 64
+    ("w8a8", 72, 1600, -1, True, False),     # K = 1600: a short last slice, carried int32 partials
+]
+
+
 @pytest.mark.skipif(not ops.has_impl("int8_gemm") or not _amx_usable(), reason="AMX-INT8 not available here")
-@pytest.mark.parametrize("case", [("w8a8", 192, 576, -1, True, False), ("w8a8", 130, 1024, -1, True, False),
-                                  ("w4a8_ct", 192, 576, 64, True, False), ("gptq", 256, 512, 128, False, False),
-                                  ("gptq", 192, 1024, 128, True, True), ("awq", 192, 512, 64, False, False)],
-                         ids=lambda c: f"{c[0]}-N{c[1]}-K{c[2]}-g{c[3]}" + ("-gidx" if c[5] else ""))
+@pytest.mark.parametrize("case", AMX_CASES, ids=lambda c: f"{c[0]}-N{c[1]}-K{c[2]}-g{c[3]}" + ("-gidx" if c[5] else ""))
 def test_amx_equals_avx512(case):
-    # AMX-INT8 (Intel; auto for M >= 32 when groups are multiples of 64): the same integer dot products and the
-    # same epilogue arithmetic as the AVX-512 path, hence bit-identical outputs
+    # AMX-INT8 (Intel; auto above a measured M threshold when groups are multiples of 64): the same exact integer
+    # dot per group (the zero point folded into the converted weights instead of subtracted as zero * asum) and
+    # the same epilogue arithmetic in the same group order as the AVX-512 path, hence bit-identical outputs. M
+    # from 1 (a single, mostly padded 16-row block) to several row chunks.
     kind, n, k, gs, sym, gidx = case
     spec, qw = make_qweight(kind, n, k, gs, sym, gidx, seed=k)
     perm = layouts.act_order_perm(qw.g_idx, qw.group_size) if qw.g_idx is not None else None
     p, s, z = ops.int8_repack(qw, perm)
     z = z if z.numel() else None
-    for M, dt in ((32, torch.bfloat16), (45, torch.float32), (100, torch.float16)):
+    for M, dt in ((1, torch.bfloat16), (7, torch.float32), (16, torch.bfloat16), (17, torch.float16),
+                  (32, torch.bfloat16), (45, torch.float32), (100, torch.float16), (300, torch.bfloat16)):
         for act in ("int8_token",) + (() if gidx else ("int8_group",)):
             x = torch.randn(M, k).to(dt)
             b = torch.randn(n)
@@ -209,6 +220,51 @@ def test_amx_equals_avx512(case):
             y = ops.int8_gemm(x, p, s, z, qw.weight_type, n, k, qw.group_size, isa="amx", **kw)
             assert torch.equal(y, ops.int8_gemm(x, p, s, z, qw.weight_type, n, k, qw.group_size, isa="avx512", **kw))
             check(y, reference(qw, x, act, b), dt, f"amx {kind} M={M} {act}")
+
+
+@pytest.mark.skipif(not ops.has_impl("int8_gemm") or not _amx_usable(), reason="AMX-INT8 not available here")
+@pytest.mark.parametrize("shift", [150.0, -120.0])
+def test_amx_zero_points_out_of_int8_range(shift):
+    # code - zero must fit int8 to be folded into the AMX weights (zeros in [-112, 128]); panels with other zeros
+    # keep the codes and subtract zero * asum in the epilogue. Panel 0 gets out-of-range zeros, panel 1 not.
+    import dataclasses
+    spec, qw = make_qweight("gptq", 128, 512, 128, False, False, seed=5)
+    zeros = qw.zeros.clone()
+    zeros[:64] += shift
+    qw = dataclasses.replace(qw, zeros=zeros)
+    p, s, z = ops.int8_repack(qw)
+    for M in (5, 40):
+        x = torch.randn(M, 512)
+        for act in ("int8_token", "int8_group"):
+            kw = dict(act_group=act == "int8_group")
+            y = ops.int8_gemm(x, p, s, z, "int4", 128, 512, 128, isa="amx", **kw)
+            assert torch.equal(y, ops.int8_gemm(x, p, s, z, "int4", 128, 512, 128, isa="avx512", **kw))
+            check(y, reference(qw, x, act), torch.float32, f"amx zeros {shift} M={M} {act}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_quant_act_fuzz_bit_exact(isa):
+    # the AVX-512 quantizer divides through a reciprocal and redoes near-tie lanes exactly: fuzz it with scales
+    # of every magnitude and with values placed on (and one float step around) the .5 boundaries of x / s
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for e in (-30, -8, -1, 0, 3, 20):
+        s = float(torch.rand(1, generator=g)) * 2.0 ** e + 2.0 ** (e - 1)
+        r = torch.randn(4, 1024, generator=g) * s * 40
+        r[:, 0] = 127.5 * s                                    # sets the scale to ~s
+        half = (torch.randint(-127, 127, (4, 256), generator=g).float() + 0.5) * s
+        r[:, 1:257] = half
+        r[:, 257:513] = torch.nextafter(half, torch.full_like(half, 1e30))
+        r[:, 513:769] = torch.nextafter(half, torch.full_like(half, -1e30))
+        rows.append(r)
+    x = torch.cat(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for group in (-1, 128):
+            q, sc = torch.ops.hf_w4.int8_quant_act(xd, group, isa)
+            qr, sr = quantize_act_int8(xd, None if group == -1 else group)
+            assert torch.equal(sc, sr), (dtype, group)
+            assert torch.equal(q, qr), (dtype, group, int((q.int() - qr.int()).abs().max()))
 
 
 def test_auto_isa_and_env_cap(monkeypatch):

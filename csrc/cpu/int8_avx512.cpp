@@ -216,6 +216,9 @@ struct T512 {
   }
 };
 
+// AMX activation layout: offset of packed column kp inside a row (row base = block base + 64 * row)
+inline int64_t amx_aoff(int64_t kp) { return (kp >> 6) * 1024 + (kp & 63); }
+
 HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
   const Geometry& g = q.g;
   const int64_t K = g.K, gs = g.gs, Gp = g.Gp;
@@ -227,9 +230,10 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
     int8_t* At = q.A + t * MRA * g.Kp;
     for (int r = 0; r < MRA; ++r) {
       const int64_t m = t * MRA + r;
-      // tile layout: quad stride MRA*4 inside the 6-row tile; row-major (AMX): quad stride 4 in row m
-      int8_t* Ar = q.rowmajor ? q.A + m * g.Kp : At + r * 4;
-      const int64_t QS = q.rowmajor ? 4 : MRA * 4;
+      // VNNI layout: quad stride MRA*4 inside the 6-row tile. AMX layout (q.rowmajor): blocks of 16 rows, each
+      // a run of 16x64-byte tiles (tile kt of block b at A + b*16*Kp + kt*1024, row r at +64r), see amx_aoff
+      int8_t* Ar = q.rowmajor ? q.A + (m / 16) * 16 * g.Kp + (m % 16) * 64 : At + r * 4;
+      const int64_t QS = MRA * 4;
       if (m >= q.M) {
         if (!q.rowmajor)
           for (int64_t qd = 0; qd < g.Kp / 4; ++qd) std::memset(Ar + qd * QS, 0, 4);
@@ -244,9 +248,26 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
                    : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c])
                                            : f16_to_f32(((const uint16_t*)xr)[c]);
         }
-      } else {
+      }
+      __m512 mx = _mm512_setzero_ps();  // max |x| of the vector part, fused into the copy when there is no perm
+      bool have_mx = false;
+      if (!q.perm) {
         int64_t j = 0;
-        for (; j + 16 <= K; j += 16) _mm512_storeu_ps(buf + j, load16(xr, q.in_type, j));
+        __m512 mx1 = _mm512_setzero_ps();
+        for (; j + 32 <= K; j += 32) {
+          const __m512 v0 = load16(xr, q.in_type, j), v1 = load16(xr, q.in_type, j + 16);
+          _mm512_storeu_ps(buf + j, v0);
+          _mm512_storeu_ps(buf + j + 16, v1);
+          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
+          mx1 = _mm512_max_ps(mx1, _mm512_and_ps(v1, absmask));
+        }
+        for (; j + 16 <= K; j += 16) {
+          const __m512 v0 = load16(xr, q.in_type, j);
+          _mm512_storeu_ps(buf + j, v0);
+          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
+        }
+        mx = _mm512_max_ps(mx, mx1);
+        have_mx = true;
         for (; j < K; ++j)
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
                    : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[j])
@@ -254,9 +275,10 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
       }
       float s_tok = 0.f;
       if (!q.act_group) {
-        __m512 mx = _mm512_setzero_ps();
         int64_t j = 0;
-        for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
+        if (have_mx) j = K / 16 * 16;
+        else
+          for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
         float m1 = _mm512_reduce_max_ps(mx);
         for (; j < K; ++j) m1 = buf[j] < 0 ? (-buf[j] > m1 ? -buf[j] : m1) : (buf[j] > m1 ? buf[j] : m1);
         s_tok = m1 / 127.5f;
@@ -276,12 +298,21 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           if (s == 0.f) s = 1.f;
           q.ascale[m * g.G + gi] = s;
         }
-        const __m512 sv = _mm512_set1_ps(s);
+        // x / s (correctly rounded) then round half to even. vdivps is slow, so the quotient comes from x * (1/s),
+        // which is within 2^-15 of the correctly rounded one (|x/s| <= 128: two roundings of 2^-24 relative):
+        // both round to the same integer unless the product lies within 2^-10 of a .5 boundary (or is not
+        // finite); those lanes (rare) are divided exactly.
+        const __m512 sv = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s);
+        const __m512 half = _mm512_set1_ps(0.5f), eps = _mm512_set1_ps(1.f / 1024);
         __m512i vsum = _mm512_setzero_si512();
         int32_t sum = 0;
         int64_t j = 0;
         for (; j + 16 <= gs; j += 16) {
-          __m512 v = _mm512_div_ps(_mm512_loadu_ps(xg + j), sv);
+          const __m512 xv = _mm512_loadu_ps(xg + j);
+          __m512 v = _mm512_mul_ps(xv, inv);
+          const __m512 fr = _mm512_sub_ps(v, _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+          const __mmask16 tie = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(fr, half), absmask), eps, _CMP_NGE_UQ);
+          if (tie) v = _mm512_mask_div_ps(v, tie, xv, sv);
           v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
           const __m512i qi = _mm512_cvtps_epi32(v);
@@ -290,7 +321,11 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           const int64_t kp = gi * Gp + j;  // multiple of 4 when gs % 4 == 0 ... handled generally below
           alignas(16) int8_t tmp[16];
           _mm_store_si128((__m128i*)tmp, q8);
-          if ((kp & 3) == 0) {
+          if (q.rowmajor) {
+            if ((kp & 15) == 0) std::memcpy(Ar + amx_aoff(kp), tmp, 16);  // always so: Gp % 64 == 0 on AMX
+            else
+              for (int e = 0; e < 16; ++e) Ar[amx_aoff(kp + e)] = tmp[e];
+          } else if ((kp & 3) == 0) {
             int8_t* d = Ar + (kp / 4) * QS;
             std::memcpy(d, tmp, 4);
             std::memcpy(d + QS, tmp + 4, 4);
@@ -309,7 +344,7 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           int8_t v = 0;
           if (j < gs) v = q8(xg[j], s);
           sum += v;
-          Ar[(kp / 4) * QS + kp % 4] = v;
+          Ar[q.rowmajor ? amx_aoff(kp) : (kp / 4) * QS + kp % 4] = v;
         }
         q.asum[m * g.G + gi] = sum;
       }
@@ -319,10 +354,18 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 
 
 // ------------------------------------------------------------------------------------------------
-// AMX-INT8 (Intel Sapphire Rapids and later): 32-row x 32-column register tiles, one group at a time (groups
-// of a multiple of 64 columns); int4 panels are decoded to u8 quads once per panel.
-// Weight tiles load straight from the VNNI-4 panels (a B tile = 16 quads x 16 columns, row stride 256 bytes);
-// activations come row-major. Used only when the CPU and the OS allow it (see amx_usable).
+// AMX-INT8 (Intel Sapphire Rapids and later). Work item = (row chunk starting at a multiple of 16, 64-column
+// panel). Per K slice of kc packed columns the panel's weights are converted once into signed int8 B tiles
+// (int8: u8 ^ 0x80 = w; int4: code - zero, which fits int8 for zeros in [-112, 128]: the zero point is folded
+// into the integer dot, which stays exact, so a group's epilogue is a plain convert + scale), laid out
+// [k tile][column tile j][16 quads][64 B] in an L1-resident buffer. Each 16-row block then keeps 4 C tiles
+// (16 x 64 int32): per 64-deep K step 1 A tile + 4 B tiles + 4 TDPBSSD. A finished group goes through a 4 KiB
+// int32 buffer into the fp32 row accumulators; that epilogue runs in shares after each K step of the next
+// group (its TDPs already issued), so the vector units work while the AMX unit computes. While a slice is
+// computed, the next one is converted in small pieces between the K steps (two slice buffers), which keeps the
+// weight stream going at small M. Activations come in 16-row tile blocks (quant_tiles with rowmajor). Results
+// are bit-identical to the AVX-512 path (same exact integers, same fp32 operations in the same order).
+// Used only when the CPU and the OS allow it (see amx_usable).
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
@@ -332,81 +375,221 @@ struct alignas(64) TileCfg {
   uint8_t rows[16];
 };
 
-HF_TAMX void amx_panel_item(const Plan& p, int64_t item) {
+constexpr int64_t AMX_KC = 512;  // packed-K slice converted at a time (32 KiB of B tiles)
+
+struct AmxEpi {  // a finished group whose int32 results wait in the tile buffer
+  float* cf;     // fp32 accumulators of the block's first row (stride 64)
+  int64_t m, nr, g;
+  bool live;
+};
+
+// ZC: zeros not folded into the weights (out of int8 range): subtract zero * asum here
+template <bool ZC>
+HF_TAMX __attribute__((always_inline)) inline void amx_epilogue(const Plan& p, const int32_t* cb, const float* Sp,
+                                                                const int32_t* Zp, const AmxEpi& e, int64_t r0,
+                                                                int64_t r1) {
+  const int64_t G = p.g.G, g = e.g;
+  const float* sc = Sp + g * NR;
+  const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+  const __m512 s2 = _mm512_loadu_ps(sc + 32), s3 = _mm512_loadu_ps(sc + 48);
+  __m512i z0 = _mm512_setzero_si512(), z1 = z0, z2 = z0, z3 = z0;
+  if constexpr (ZC) {
+    z0 = _mm512_loadu_si512(Zp + g * NR);
+    z1 = _mm512_loadu_si512(Zp + g * NR + 16);
+    z2 = _mm512_loadu_si512(Zp + g * NR + 32);
+    z3 = _mm512_loadu_si512(Zp + g * NR + 48);
+  }
+  const bool first = g == 0;
+  if (r1 > e.nr) r1 = e.nr;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t m = e.m + r;
+    __m512 t0 = s0, t1 = s1, t2 = s2, t3 = s3;
+    if (p.act_group) {
+      const __m512 sx = _mm512_set1_ps(p.ascale[m * G + g]);
+      t0 = _mm512_mul_ps(t0, sx);
+      t1 = _mm512_mul_ps(t1, sx);
+      t2 = _mm512_mul_ps(t2, sx);
+      t3 = _mm512_mul_ps(t3, sx);
+    }
+    __m512i d0 = _mm512_load_si512(cb + r * NR), d1 = _mm512_load_si512(cb + r * NR + 16);
+    __m512i d2 = _mm512_load_si512(cb + r * NR + 32), d3 = _mm512_load_si512(cb + r * NR + 48);
+    if constexpr (ZC) {
+      const __m512i as = _mm512_set1_epi32(p.asum[m * G + g]);
+      d0 = _mm512_sub_epi32(d0, _mm512_mullo_epi32(z0, as));
+      d1 = _mm512_sub_epi32(d1, _mm512_mullo_epi32(z1, as));
+      d2 = _mm512_sub_epi32(d2, _mm512_mullo_epi32(z2, as));
+      d3 = _mm512_sub_epi32(d3, _mm512_mullo_epi32(z3, as));
+    }
+    float* c = e.cf + r * NR;
+    if (first) {
+      _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), t0));
+      _mm512_storeu_ps(c + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(d1), t1));
+      _mm512_storeu_ps(c + 32, _mm512_mul_ps(_mm512_cvtepi32_ps(d2), t2));
+      _mm512_storeu_ps(c + 48, _mm512_mul_ps(_mm512_cvtepi32_ps(d3), t3));
+    } else {
+      _mm512_storeu_ps(c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), t0, _mm512_loadu_ps(c)));
+      _mm512_storeu_ps(c + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), t1, _mm512_loadu_ps(c + 16)));
+      _mm512_storeu_ps(c + 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), t2, _mm512_loadu_ps(c + 32)));
+      _mm512_storeu_ps(c + 48, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d3), t3, _mm512_loadu_ps(c + 48)));
+    }
+  }
+}
+
+// packed columns [k0, k1) of a panel -> signed int8 B tiles (see above). fold: subtract the zero point.
+// (dst holds the slice starting at packed column kbase). Besides the near prefetch, each source line is
+// prefetched into L2 `far` bytes ahead (one slice: it is converted during the next slice's work, so the
+// memory stream stays deep even when the conversion is spread thinly over many row blocks).
+HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bool fold, int64_t k0, int64_t k1,
+                         int8_t* dst, int64_t kbase, int64_t far) {
+  const int64_t q0 = kbase / 4;
+  if (p.g.wtype == W_INT8) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
+      const uint8_t* src = Bp + q * 256;
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+      int8_t* d = dst + ((q - q0) >> 4) * 4096 + ((q - q0) & 15) * 64;
+      for (int j = 0; j < 4; ++j) _mm512_store_si512(d + j * 1024, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * j), flip));
+    }
+    return;
+  }
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const int64_t Gp = p.g.Gp;
+  __m512i zb0 = _mm512_setzero_si512(), zb1 = zb0, zb2 = zb0, zb3 = zb0;
+  int64_t gcur = -1;
+  for (int64_t q2 = k0 / 8; q2 < k1 / 8; ++q2) {
+    const int64_t gi = q2 * 8 / Gp;
+    if (gi != gcur) {
+      gcur = gi;
+      if (!fold) {
+        zb0 = zb1 = zb2 = zb3 = _mm512_setzero_si512();
+      } else if (Zp) {  // zero of column n replicated in the 4 bytes of its quad
+        const __m512i lo8 = _mm512_set1_epi32(0xff), rep = _mm512_set1_epi32(0x01010101);
+        zb0 = _mm512_mullo_epi32(_mm512_and_si512(_mm512_loadu_si512(Zp + gi * NR), lo8), rep);
+        zb1 = _mm512_mullo_epi32(_mm512_and_si512(_mm512_loadu_si512(Zp + gi * NR + 16), lo8), rep);
+        zb2 = _mm512_mullo_epi32(_mm512_and_si512(_mm512_loadu_si512(Zp + gi * NR + 32), lo8), rep);
+        zb3 = _mm512_mullo_epi32(_mm512_and_si512(_mm512_loadu_si512(Zp + gi * NR + 48), lo8), rep);
+      } else {
+        zb0 = zb1 = zb2 = zb3 = _mm512_set1_epi8((char)p.zconst);
+      }
+    }
+    const uint8_t* src = Bp + q2 * 256;
+    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+    const int64_t ql = 2 * q2 - q0;  // even: quads ql, ql + 1 share a k tile
+    int8_t* d = dst + (ql >> 4) * 4096 + (ql & 15) * 64;
+#define HF_CVT4(J)                                                                                  \
+    {                                                                                               \
+      const __m512i raw = _mm512_loadu_si512(src + 64 * J);                                         \
+      _mm512_store_si512(d + J * 1024, _mm512_sub_epi8(_mm512_and_si512(raw, mask), zb##J));        \
+      _mm512_store_si512(d + J * 1024 + 64,                                                         \
+                         _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), mask), zb##J)); \
+    }
+    HF_CVT4(0) HF_CVT4(1) HF_CVT4(2) HF_CVT4(3)
+#undef HF_CVT4
+  }
+}
+
+template <bool ZC>
+HF_TAMX void amx_item(const Plan& p, int64_t item) {
   const Geometry& g = p.g;
-  const int64_t Kp = g.Kp, Gp = g.Gp, G = g.G, tpg = Gp / 64;  // K tiles per group
+  const int64_t Kp = g.Kp, Gp = g.Gp, G = g.G;
   const int64_t mc = item / g.P, pn = item % g.P;
   const int64_t m0 = mc * p.mchunk, m1 = (m0 + p.mchunk < p.M) ? m0 + p.mchunk : p.M;
-  const int64_t rows = m1 - m0;
+  const int64_t rows = m1 - m0, nb = (rows + 15) / 16;
   const uint8_t* Bp = p.B + pn * p.panel_bytes;
-  if (g.wtype == W_INT4) {  // nibbles -> u8 quads once per panel, reused by every row block (L2)
-    uint8_t* dec = (uint8_t*)thread_scratch(2, (size_t)Kp * NR);
-    T512::decode(Bp, dec, Kp / 8);
-    Bp = dec;
-  }
   const float* Sp = p.scales + pn * G * NR;
   const int32_t* Zp = p.zeros ? p.zeros + pn * G * NR : nullptr;
-  float* Cf = (float*)thread_scratch(0, (size_t)((rows + 31) / 32 * 32) * NR * 4);
-  alignas(64) int32_t cb[32 * 32];
-  for (int64_t mb = 0; mb < rows; mb += 32) {
-    const int8_t* A0 = p.A + (m0 + mb) * Kp;
-    const int8_t* A1 = A0 + 16 * Kp;
-    const int64_t nr = rows - mb < 32 ? rows - mb : 32;
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* Bh = Bp + 128 * h;
-      for (int64_t gi = 0; gi < G; ++gi) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kt = gi * tpg; kt < (gi + 1) * tpg; ++kt) {
-          _tile_loadd(4, A0 + kt * 64, Kp);
-          _tile_loadd(5, A1 + kt * 64, Kp);
-          _tile_loadd(6, Bh + kt * 16 * 256, 256);
-          _tile_loadd(7, Bh + kt * 16 * 256 + 64, 256);
-          _tile_dpbsud(0, 4, 6);
-          _tile_dpbsud(1, 4, 7);
-          _tile_dpbsud(2, 5, 6);
-          _tile_dpbsud(3, 5, 7);
+  const int64_t kc = Gp <= AMX_KC ? AMX_KC / Gp * Gp : AMX_KC;
+  float* Cf = (float*)thread_scratch(0, (size_t)nb * 16 * NR * 4);
+  int32_t* Ci = kc % Gp ? (int32_t*)thread_scratch(1, (size_t)nb * 16 * NR * 4) : nullptr;
+  // two slice buffers: the next slice is converted (streamed from memory) while the AMX unit works on this one
+  int8_t* bufs = (int8_t*)thread_scratch(2, (size_t)2 * kc * NR);
+  alignas(64) int32_t cb[16 * NR];
+  AmxEpi pend{nullptr, 0, 0, 0, false};
+  const int8_t* Ab = p.A + m0 * Kp;  // m0 % 16 == 0: the chunk's first 16-row block
+  const int64_t far = g.wtype == W_INT8 ? kc * NR : kc * NR / 2;  // source bytes of one slice
+  amx_convert(p, Bp, Zp, !ZC, 0, kc < Kp ? kc : Kp, bufs, 0, far);
+  for (int64_t k0 = 0, sl = 0; k0 < Kp; k0 += kc, ++sl) {
+    const int64_t k1 = k0 + kc < Kp ? k0 + kc : Kp;
+    const int8_t* buf = bufs + (sl & 1) * kc * NR;
+    int8_t* nbuf = bufs + ((sl + 1) & 1) * kc * NR;
+    // the next slice [k1, k2) in nn k-tile chunks, spread evenly over this slice's nsteps k steps
+    const int64_t k2 = k1 + kc < Kp ? k1 + kc : Kp, nn = (k2 - k1) / 64, nsteps = nb * ((k1 - k0) / 64);
+    int64_t step = 0, done = 0;
+    for (int64_t rb = 0; rb < nb; ++rb) {
+      const int8_t* Ar = Ab + rb * 16 * Kp;
+      int32_t* ci = Ci ? Ci + rb * 16 * NR : nullptr;
+      for (int64_t gs0 = k0, gs1; gs0 < k1; gs0 = gs1) {
+        const int64_t gi = gs0 / Gp;
+        gs1 = (gi + 1) * Gp < k1 ? (gi + 1) * Gp : k1;
+        if (gs0 % Gp) {
+          _tile_loadd(0, ci, NR * 4);
+          _tile_loadd(1, ci + 16, NR * 4);
+          _tile_loadd(2, ci + 32, NR * 4);
+          _tile_loadd(3, ci + 48, NR * 4);
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
         }
-        _tile_stored(0, cb, 128);
-        _tile_stored(1, cb + 16, 128);
-        _tile_stored(2, cb + 16 * 32, 128);
-        _tile_stored(3, cb + 16 * 32 + 16, 128);
-        const float* sc = Sp + gi * NR + 32 * h;
-        const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
-        __m512i z0 = _mm512_set1_epi32(p.zconst), z1 = z0;
-        if (Zp) {
-          z0 = _mm512_loadu_si512(Zp + gi * NR + 32 * h);
-          z1 = _mm512_loadu_si512(Zp + gi * NR + 32 * h + 16);
+        const int64_t kt0 = gs0 / 64, ntk = gs1 / 64 - kt0;
+        for (int64_t kt = kt0; kt < gs1 / 64; ++kt) {
+          const int8_t* Bk = buf + (kt - k0 / 64) * 4096;
+          _tile_loadd(4, Ar + kt * 1024, 64);
+          _tile_loadd(5, Bk, 64);
+          _tile_dpbssd(0, 4, 5);
+          _tile_loadd(6, Bk + 1024, 64);
+          _tile_dpbssd(1, 4, 6);
+          _tile_loadd(7, Bk + 2048, 64);
+          _tile_dpbssd(2, 4, 7);
+          _tile_loadd(5, Bk + 3072, 64);
+          _tile_dpbssd(3, 4, 5);
+          if (nn) {
+            const int64_t upto = ++step * nn / nsteps;
+            if (upto > done) {
+              amx_convert(p, Bp, Zp, !ZC, k1 + done * 64, k1 + upto * 64, nbuf, k1, far);
+              done = upto;
+            }
+          }
+          if (pend.live) {  // a share of the previous group's epilogue after each k step's TDPs are issued
+            const int64_t i = kt - kt0;
+            amx_epilogue<ZC>(p, cb, Sp, Zp, pend, 16 * i / ntk, 16 * (i + 1) / ntk);
+          }
         }
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t m = m0 + mb + r;
-          const __m512i as = _mm512_set1_epi32(p.asum[m * G + gi]);
-          __m512 t0 = s0, t1 = s1;
-          if (p.act_group) {
-            const __m512 sx = _mm512_set1_ps(p.ascale[m * G + gi]);
-            t0 = _mm512_mul_ps(t0, sx);
-            t1 = _mm512_mul_ps(t1, sx);
-          }
-          const __m512 v0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cb + r * 32), _mm512_mullo_epi32(z0, as)));
-          const __m512 v1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cb + r * 32 + 16), _mm512_mullo_epi32(z1, as)));
-          float* c = Cf + (mb + r) * NR + 32 * h;
-          if (gi == 0) {
-            _mm512_storeu_ps(c, _mm512_mul_ps(v0, t0));
-            _mm512_storeu_ps(c + 16, _mm512_mul_ps(v1, t1));
-          } else {
-            _mm512_storeu_ps(c, _mm512_fmadd_ps(v0, t0, _mm512_loadu_ps(c)));
-            _mm512_storeu_ps(c + 16, _mm512_fmadd_ps(v1, t1, _mm512_loadu_ps(c + 16)));
-          }
+        pend.live = false;
+        if (gs1 % Gp) {  // the group continues in the next slice
+          _tile_stored(0, ci, NR * 4);
+          _tile_stored(1, ci + 16, NR * 4);
+          _tile_stored(2, ci + 32, NR * 4);
+          _tile_stored(3, ci + 48, NR * 4);
+        } else {
+          _tile_stored(0, cb, NR * 4);
+          _tile_stored(1, cb + 16, NR * 4);
+          _tile_stored(2, cb + 32, NR * 4);
+          _tile_stored(3, cb + 48, NR * 4);
+          pend = AmxEpi{Cf + rb * 16 * NR, m0 + rb * 16, rows - rb * 16 < 16 ? rows - rb * 16 : 16, gi, true};
         }
       }
     }
   }
+  if (pend.live) amx_epilogue<ZC>(p, cb, Sp, Zp, pend, 0, 16);
   const int64_t ncols = (g.N - pn * NR < NR) ? g.N - pn * NR : NR;
   const int64_t es = p.out_type == OUT_F32 ? 4 : 2;
   T512::store_rows(Cf, rows, (char*)p.out + (m0 * p.ldo + pn * NR) * es, p.ldo, p.out_type, ncols,
                    p.act_group ? nullptr : p.ascale + m0, p.bias ? p.bias + pn * NR : nullptr);
+}
+
+// asymmetric int4: can code - zero be held in int8 for every column and group of the panel?
+HF_TAMX bool amx_zeros_fold(const int32_t* Zp, int64_t n) {
+  __m512i lo = _mm512_set1_epi32(-112), hi = _mm512_set1_epi32(128);
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i z = _mm512_loadu_si512(Zp + i);
+    bad |= _mm512_cmplt_epi32_mask(z, lo) | _mm512_cmpgt_epi32_mask(z, hi);
+  }
+  return bad == 0;
 }
 
 HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
@@ -418,7 +601,11 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
-  for (int64_t it = i0; it < i1; ++it) amx_panel_item(p, it);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t pn = it % p.g.P;
+    if (p.zeros && !amx_zeros_fold(p.zeros + pn * p.g.G * NR, p.g.G * NR)) amx_item<true>(p, it);
+    else amx_item<false>(p, it);
+  }
   _tile_release();
 }
 

@@ -65,7 +65,7 @@ struct QuantArgs {
   bool act_group;
   Geometry g;
   int8_t* A; int32_t* asum; float* ascale;
-  bool rowmajor = false;  // AMX path: A row-major [rows][Kp] (AVX-512 quantizer only)
+  bool rowmajor = false;  // AMX path: A in 16-row blocks of 16x64-byte tiles (AVX-512 quantizer only)
 };
 void quant_tiles(int isa, const QuantArgs& q, int64_t t0, int64_t t1);
 
@@ -89,7 +89,8 @@ void quant_tiles_avx2(const QuantArgs& q, int64_t t0, int64_t t1);
 void gemm_items_generic(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx2(const Plan& p, int64_t i0, int64_t i1, bool vnni);
-// AMX-INT8 (Intel): any weight type, groups of a multiple of 64 (Gp % 64 == 0), A row-major
+// AMX-INT8 (Intel): any weight type, groups of a multiple of 64 (Gp % 64 == 0), activations quantized with
+// QuantArgs::rowmajor (16-row blocks of 16x64-byte tiles), row chunks (Plan::mchunk) a multiple of 16
 bool amx_usable();
 bool amx_eligible(const Plan& p);
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1);
@@ -150,7 +151,9 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
     const bool single = ntiles == 1;
     const int64_t kc = single ? Kp : KC;
     float* Cf = (float*)thread_scratch(0, (size_t)ntiles * MRA * NR * 4);
-    int32_t* Ci = (Gp > kc) ? (int32_t*)thread_scratch(1, (size_t)ntiles * MRA * NR * 4) : nullptr;
+    // int32 partials of a group split across K blocks (a group longer than a block, or one straddling a block
+    // boundary when Gp does not divide KC, e.g. group 192)
+    int32_t* Ci = (Kp > kc && kc % Gp != 0) ? (int32_t*)thread_scratch(1, (size_t)ntiles * MRA * NR * 4) : nullptr;
     const bool decode = g.wtype == W_INT4 && !single;
     uint8_t* dec = decode ? (uint8_t*)thread_scratch(2, (size_t)kc * NR) : nullptr;
     for (int64_t k0 = 0; k0 < Kp; k0 += kc) {

@@ -127,8 +127,9 @@ ActQ quantize(const at::Tensor& x2, const int64_t* pp, const Geometry& g, bool a
   const int64_t Mt = (M + MRA - 1) / MRA;
   ActQ r;
   r.g = g;
-  // row-major (AMX) reads whole 32-row blocks: pad the allocation (rows >= M are never written or used)
-  r.A = at::empty({rowmajor ? (M + 31) / 32 * 32 * g.Kp : Mt * MRA * g.Kp}, x2.options().dtype(at::kChar));
+  // AMX layout (rowmajor) reads whole 16-row blocks: pad the allocation (rows >= M are never written; their
+  // results are never stored)
+  r.A = at::empty({rowmajor ? (M + 15) / 16 * 16 * g.Kp : Mt * MRA * g.Kp}, x2.options().dtype(at::kChar));
   r.asum = at::empty({M, g.G}, x2.options().dtype(at::kInt));
   r.ascale = at::empty({M, act_group ? g.G : 1}, x2.options().dtype(at::kFloat));
   QuantArgs q;
@@ -176,8 +177,8 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
                    const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& perm,
                    const std::optional<at::Tensor>& bias, c10::string_view weight_type, int64_t n, int64_t k,
                    int64_t group_size, bool act_group, c10::string_view isa_req) {
-  // "amx": AMX-INT8 wherever the layer allows it (groups of a multiple of 64 columns); "" (auto): AMX for
-  // M >= 32 when the CPU and OS allow it (HF_W4_AMX=0 turns it off)
+  // "amx": AMX-INT8 wherever the layer allows it (groups of a multiple of 64 columns); "" (auto): AMX from the
+  // measured M threshold below when the CPU and OS allow it (HF_W4_AMX=0 turns it off)
   const bool want_amx = std::string(isa_req) == "amx";
   TORCH_CHECK(!want_amx || amx_usable(), "hf_w4 int8 kernel: AMX-INT8 is not available (CPU or OS)");
   const int isa = check_isa(want_amx ? c10::string_view("avx512") : isa_req);
@@ -212,8 +213,15 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   if (M == 0 || n == 0) return out.reshape(os);
   const bool auto_isa = isa_req.empty() || std::string(isa_req) == "auto";
   const char* amx_env = std::getenv("HF_W4_AMX");
-  const bool amx_ok = isa == ISA_AVX512 && (want_amx || (auto_isa && M >= 32 && !(amx_env && std::string(amx_env) == "0")))
-                      && g.Gp % 64 == 0 && amx_usable();
+  // AMX-INT8 from a measured M on (K = N = 4096, 2 threads, cold weights, ms AMX vs AVX-512 VNNI):
+  //   int4 (W4A8 g128): M=4 0.99 vs 0.60, M=8 0.98 vs 1.06, M=12 1.02 vs 1.22, M=16 1.00 vs 1.42, M=32 1.47 vs 2.36
+  //   int8 (W8A8):      M=16 1.77 vs 1.38, M=24 2.31 vs 1.64, M=32 2.21 vs 2.14, M=64 ~3.0 vs 5.5 (1 thread)
+  // (int8 panels are twice the bytes: the AMX path's extra pass that converts them to signed tiles costs more
+  // than VNNI's compute until M ~ 32)
+  const int64_t amx_min_m = wt == W_INT4 ? 8 : 32;
+  const bool amx_ok = isa == ISA_AVX512 &&
+                      (want_amx || (auto_isa && M >= amx_min_m && !(amx_env && std::string(amx_env) == "0"))) &&
+                      g.Gp % 64 == 0 && amx_usable();
   ActQ a = quantize(x2, pp, g, act_group, isa, amx_ok);
 
   Plan p;
@@ -232,7 +240,15 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   int64_t nmc = (Mr + 479) / 480;
   if (M > 4 * MRA && g.P < 2 * nt) nmc = std::max<int64_t>(nmc, std::min<int64_t>((2 * nt + g.P - 1) / g.P, Mr / (2 * MRA)));
   int64_t mchunk = ((Mr + nmc - 1) / nmc + MRA - 1) / MRA * MRA;
-  nmc = (Mr + mchunk - 1) / mchunk;
+  if (amx_ok) {
+    // AMX: chunks of a multiple of 16 rows (its activation blocks) and at most 256 rows, so the chunk's
+    // activations (256 x K bytes) stay in L2 while the item loops over the panels
+    const int64_t M16 = (M + 15) / 16 * 16;
+    nmc = (M16 + 255) / 256;
+    if (g.P < 2 * nt) nmc = std::max<int64_t>(nmc, std::min<int64_t>((2 * nt + g.P - 1) / g.P, M16 / 16));
+    mchunk = ((M16 + nmc - 1) / nmc + 15) / 16 * 16;
+  }
+  nmc = (M + mchunk - 1) / mchunk;
   p.mchunk = mchunk; p.nmchunks = nmc;
   const int64_t items = nmc * g.P;
   if (amx_ok) {
