@@ -272,11 +272,12 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_amx_panel_blocks(threads):
-    """K = 4096: the AMX path decodes blocks of 4 whole panels for M > 32 (N = 328 -> 11 panels: full blocks,
-    a short last block and a partial last panel), with the next row block prefetched; same budget as above."""
-    n, k = 328, 4096
+@pytest.mark.parametrize("threads,k", [(1, 4096), (2, 4096), (2, 5120)])
+def test_amx_panel_blocks(threads, k):
+    """The AMX path for M > 32 decodes blocks of 4 panels x K chunks of <= 4096 (N = 328 -> 11 panels: full
+    blocks, a short last block and a partial last panel; K = 5120 -> chunks of 4096 and 1024 with the C tiles
+    spilled in between), with the next row block prefetched; same budget as above."""
+    n = 328
     spec, qw = make_qweight("gptq", n, k, 128, sym=False, act_order=False, seed=12)
     W = layouts.dequantize(qw)
     q, s, z, perm = prep(qw)
@@ -287,4 +288,4 @@ def test_amx_panel_blocks(threads):
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, path=2)
     finally:
         torch.set_num_threads(old)
-    check(y, x, W, None, True, f"amx blocks threads={threads}")
+    check(y, x, W, None, True, f"amx blocks threads={threads} K={k}")

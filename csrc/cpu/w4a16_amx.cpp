@@ -113,44 +113,69 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
       w4a16_store_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
-  // decode a block of NB whole panels (NB * K * 64 bytes, ~1 MiB, stays in L2) once, then run every 32-row
-  // block of the (tile-packed) activations over it
-  const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (K * 64)));
+  // Decode a block of NB panels x one K chunk of at most 4096 k (NB * KC * 64 bytes, ~1 MiB, stays in L2) once,
+  // then run every 32-row block of the (tile-packed) activations over it. With K > 4096 the C tiles are
+  // spilled to a per-thread buffer between chunks (4 KiB per 32 rows x 32 columns per chunk - cheap); without
+  // the chunks, K = 11008 allowed only one panel per block and every panel re-read all of the activations
+  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64).
+  const int64_t KCB = std::min<int64_t>(KB, 128);  // 32-k steps per chunk
+  const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
+  const bool chunked = KCB < KB;
   thread_local std::vector<uint16_t> pbuf;
-  if (pbuf.size() < static_cast<size_t>(NB * K * 32)) pbuf.resize(static_cast<size_t>(NB * K * 32));
+  thread_local std::vector<float> cacc;
+  if (pbuf.size() < static_cast<size_t>(NB * KCB * 1024)) pbuf.resize(static_cast<size_t>(NB * KCB * 1024));
+  if (chunked && cacc.size() < static_cast<size_t>(((MB + 1) / 2) * NB * 1024))
+    cacc.resize(static_cast<size_t>(((MB + 1) / 2) * NB * 1024));
   for (int64_t pb = p0; pb < p1; pb += NB) {
     const int64_t pe = std::min(p1, pb + NB);
-    for (int64_t p = pb; p < pe; ++p)
-      for (int64_t kb = 0; kb < KB; ++kb) decode(p, 16 * kb, pbuf.data() + (p - pb) * K * 32 + kb * 1024);
-    for (int64_t mb = 0; mb < MB; mb += 2) {
-      const bool two = mb + 1 < MB;
-      const uint16_t* a0 = xa + mb * KB * 512;
-      const uint16_t* a1 = a0 + KB * 512;
-      // the next 32-row block's activations (2 * KB KiB) are prefetched into L2 while this one runs, spread
-      // evenly over the pe - pb panels x KB steps (measured: without it M=1024 varied 38-128 ms per call, 1 thread)
-      const char* an = reinterpret_cast<const char*>(xa + ((mb + 2 < MB) ? mb + 2 : 0) * KB * 512);
-      const int64_t an_lines = (std::min<int64_t>(MB, (mb + 2 < MB ? mb + 2 : 0) + 2) -
-                                (mb + 2 < MB ? mb + 2 : 0)) * KB * 16;
-      const int64_t per = (an_lines + (pe - pb) * KB - 1) / ((pe - pb) * KB);
-      for (int64_t p = pb; p < pe; ++p) {
-        const uint16_t* b = pbuf.data() + (p - pb) * K * 32;
-        _tile_zero(3); _tile_zero(4);
-        if (two) { _tile_zero(5); _tile_zero(6); }
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          for (int64_t l = ((p - pb) * KB + kb) * per, le = std::min(an_lines, l + per); l < le; ++l)
-            _mm_prefetch(an + 64 * l, _MM_HINT_T1);
-          _tile_loadd(1, b + kb * 1024, 64);
-          _tile_loadd(2, b + kb * 1024 + 512, 64);
-          _tile_loadd(0, a0 + kb * 512, 64);
-          _tile_dpbf16ps(3, 0, 1);
-          _tile_dpbf16ps(4, 0, 2);
-          if (two) {
-            _tile_loadd(7, a1 + kb * 512, 64);
-            _tile_dpbf16ps(5, 7, 1);
-            _tile_dpbf16ps(6, 7, 2);
+    for (int64_t k0 = 0; k0 < KB; k0 += KCB) {
+      const int64_t k1 = std::min(KB, k0 + KCB), kn = k1 - k0;
+      const bool first = k0 == 0, last = k1 == KB;
+      for (int64_t p = pb; p < pe; ++p)
+        for (int64_t kb = k0; kb < k1; ++kb) decode(p, 16 * kb, pbuf.data() + ((p - pb) * KCB + kb - k0) * 1024);
+      for (int64_t mb = 0; mb < MB; mb += 2) {
+        const bool two = mb + 1 < MB;
+        const uint16_t* a0 = xa + mb * KB * 512;
+        const uint16_t* a1 = a0 + KB * 512;
+        // the next 32-row block's activations of this chunk (2 x kn KiB) are prefetched into L2 while this
+        // one runs, spread evenly over the pe - pb panels x kn steps (measured: without it M=1024 varied
+        // 38-128 ms per call, 1 thread)
+        const int64_t nmb = mb + 2 < MB ? mb + 2 : 0;
+        const char* an0 = reinterpret_cast<const char*>(xa + (nmb * KB + k0) * 512);
+        const char* an1 = an0 + KB * 1024;
+        const int64_t an_lines = std::min<int64_t>(2, MB - nmb) * kn * 16;
+        const int64_t per = (an_lines + (pe - pb) * kn - 1) / ((pe - pb) * kn);
+        for (int64_t p = pb; p < pe; ++p) {
+          const uint16_t* b = pbuf.data() + (p - pb) * KCB * 1024;
+          float* cs = chunked ? cacc.data() + ((mb / 2) * NB + (p - pb)) * 1024 : nullptr;
+          if (first) {
+            _tile_zero(3); _tile_zero(4);
+            if (two) { _tile_zero(5); _tile_zero(6); }
+          } else {
+            _tile_loadd(3, cs, 64); _tile_loadd(4, cs + 256, 64);
+            if (two) { _tile_loadd(5, cs + 512, 64); _tile_loadd(6, cs + 768, 64); }
+          }
+          for (int64_t kb = k0; kb < k1; ++kb) {
+            for (int64_t l = ((p - pb) * kn + kb - k0) * per, le = std::min(an_lines, l + per); l < le; ++l)
+              _mm_prefetch((l < kn * 16 ? an0 : an1 - kn * 1024) + 64 * l, _MM_HINT_T1);
+            _tile_loadd(1, b + (kb - k0) * 1024, 64);
+            _tile_loadd(2, b + (kb - k0) * 1024 + 512, 64);
+            _tile_loadd(0, a0 + kb * 512, 64);
+            _tile_dpbf16ps(3, 0, 1);
+            _tile_dpbf16ps(4, 0, 2);
+            if (two) {
+              _tile_loadd(7, a1 + kb * 512, 64);
+              _tile_dpbf16ps(5, 7, 1);
+              _tile_dpbf16ps(6, 7, 2);
+            }
+          }
+          if (last) {
+            epilogue(p, mb, two);
+          } else {
+            _tile_stored(3, cs, 64); _tile_stored(4, cs + 256, 64);
+            if (two) { _tile_stored(5, cs + 512, 64); _tile_stored(6, cs + 768, 64); }
           }
         }
-        epilogue(p, mb, two);
       }
     }
   }
