@@ -150,6 +150,21 @@ int64_t amx_min_m(const W4Gemm& g) {
   return g.mode == W4_NVFP4 ? 5 : 6;
 }
 
+// fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
+// element i of the row-major [M][K] activations as fp32
+template <typename At>
+std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
+  const int64_t G = K / gs;
+  std::vector<float> xsum(static_cast<size_t>(M) * G, 0.0f);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float s = 0.f;
+      for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) s += at(r * K + kk);
+      xsum[r * G + gi] = s;
+    }
+  return xsum;
+}
+
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
                 const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t n,
                 int64_t group_size, c10::string_view weight_type, double global_scale, c10::string_view isa_req,
@@ -199,15 +214,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     at::Tensor bf;
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
     std::vector<float> xsum;
-    if (mode == W4_ASYM && w4a16_amx_raw_ok(g, M)) {
-      xsum.assign(static_cast<size_t>(M) * G, 0.0f);
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t gi = 0; gi < G; ++gi) {
-          float sacc = 0.f;
-          for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) sacc += bf16_bits_to_f32(xs[r * K + kk]);
-          xsum[r * G + gi] = sacc;
-        }
-    }
+    if (mode == W4_ASYM && w4a16_amx_raw_ok(g, M))
+      xsum = group_sums(M, K, gs, [&](int64_t i) { return bf16_bits_to_f32(xs[i]); });
     const float* xsp = xsum.empty() ? nullptr : xsum.data();
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_amx(g, xap, xsp, M, p0, p1); });
     return y;
@@ -255,15 +263,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   std::vector<float> xsum;
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  if (mode == W4_ASYM || (isa == CpuIsa::avx2 && mode == W4_SYM)) {  // avx2 applies the -8 via sums too
-    xsum.assign(static_cast<size_t>(M) * G, 0.0f);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t gi = 0; gi < G; ++gi) {
-        float s = 0.f;
-        for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) s += xp[r * K + kk];
-        xsum[r * G + gi] = s;
-      }
-  }
+  if (mode == W4_ASYM || (isa == CpuIsa::avx2 && mode == W4_SYM))  // avx2 applies the -8 via sums too
+    xsum = group_sums(M, K, gs, [&](int64_t i) { return xp[i]; });
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     if (isa == CpuIsa::avx512) w4a16_fused_avx512(g, xp, M, xsum.empty() ? nullptr : xsum.data(), p0, p1);
     else if (isa == CpuIsa::avx2) w4a16_fused_avx2(g, xp, M, xsum.empty() ? nullptr : xsum.data(), p0, p1);
