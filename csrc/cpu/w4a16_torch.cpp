@@ -146,8 +146,8 @@ bool amx_enabled() {
 // -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4 (a tile flush per 16-element block): from
 // M = 5; the rest (int4 with other groups: scales folded into the decode) from M = 6.
 int64_t amx_min_m(const W4Gemm& g) {
-  if (g.mode != W4_NVFP4 && g.gs % 32 == 0) return 1;
-  return g.mode == W4_NVFP4 ? 5 : 6;
+  if (!w4a16_amx_raw_ok(g, 1)) return 6;
+  return g.mode == W4_NVFP4 ? 5 : 1;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
