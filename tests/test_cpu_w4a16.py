@@ -249,7 +249,7 @@ AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= _FLAGS
                                               ("modelopt_nvfp4", True, False, 16)])
 def test_amx_path(layout, sym, ao, gs, monkeypatch):
     """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the raw-code kernel (M <= 32; int4 groups
-    of a multiple of 32 and NVFP4) and the scale-folding one (M > 32, and int4 g16 at every M), a
+    of a multiple of 32 and NVFP4, which stacks two 16-k blocks per tile for M <= 8) and the scale-folding one (M > 32, and int4 g16 at every M), a
     partial last panel (N=200) and bias; budget = the large-M budget (weights*scales rounded to bf16, fp32
     accumulation): 2^-8 |ref| + 2^-8 sum|x||w| + 2e-6 sum|x||w|. Without AMX (other CPUs, isa capped to
     avx2/generic, or HF_W4_AMX=0 in the environment) path=2 must fall back to a correct path."""
@@ -260,7 +260,7 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     for isa in ISAS:
-        for M in (1, 6, 16, 17, 33, 70):
+        for M in (1, 6, 8, 9, 16, 17, 33, 70):   # NVFP4: M <= 8 stacks two blocks per tile, 9..32 does not
             x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
             for b in (None, bias):
                 y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,

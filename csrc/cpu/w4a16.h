@@ -76,6 +76,11 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
 // int4 with M <= 32 and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
 // the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
 bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
+// NVFP4 with M <= 8 (two 16-k blocks per tile product): activations packed twice into one 16-row tile per 32 k
+// by w4a16_amx_pack_a_stacked, xs2 bf16 [K/32][16][32] (rows 0..7: the first 16 k of the step, rows 8..15: the
+// second 16 k, the other columns zero).
+void w4a16_amx_pack_a_stacked(const uint16_t* x, int64_t M, int64_t K, uint16_t* xs2);
+void w4a16_amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1);
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded

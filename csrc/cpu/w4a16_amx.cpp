@@ -279,7 +279,73 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
   _tile_release();
 }
 
+// NVFP4 with M <= 8: both 16-k blocks of a 32-k step in one tdpbf16ps. The A tile holds the rows twice (packed
+// by w4a16_amx_pack_a_stacked): rows 0..7 carry the step's first 16 k (the other 16 columns zero), rows 8..15
+// its second 16 k, so one full 16-row B tile of raw codes gives the two blocks' partial sums in separate C rows,
+// each then scaled by its own fp8 block scale - half the tile operations of amx_small_raw's 8-row B tiles.
+void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1) {
+  const int64_t K = g.K, G = g.G, KB = K / 32;
+  alignas(64) uint16_t lt[32];
+  for (int c = 0; c < 32; ++c) lt[c] = f32_to_bf16_bits(kE2M1[c & 15]);
+  const __m512i lut = _mm512_load_si512(lt);
+  TileCfg cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t bbuf[2 * 16 * 32];
+  alignas(64) float cb[16][32];
+  alignas(64) float acc[8][32];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+    std::memset(acc, 0, sizeof(acc));
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* qk = q + kb * 16 * W4_NP;
+      _mm_prefetch(reinterpret_cast<const char*>(qk + 2048), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qk + 2048 + 256), _MM_HINT_T0);
+      for (int jj = 0; jj < 16; ++jj) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
+        _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
+        _mm512_store_si512(bbuf + 512 + jj * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+      }
+      _tile_zero(3); _tile_zero(4);
+      _tile_loadd(1, bbuf, 64);
+      _tile_loadd(2, bbuf + 512, 64);
+      _tile_loadd(0, xs2 + kb * 512, 64);
+      _tile_dpbf16ps(3, 0, 1);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
+      const int64_t so = (p * G + 2 * kb) * W4_NP;
+      __m512 s0, s1, t0, t1;
+      load_scales<W4_NVFP4>(g, so, s0, s1);
+      load_scales<W4_NVFP4>(g, so + W4_NP, t0, t1);
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 v0 = _mm512_fmadd_ps(_mm512_load_ps(cb[m]), s0, _mm512_load_ps(acc[m]));
+        __m512 v1 = _mm512_fmadd_ps(_mm512_load_ps(cb[m] + 16), s1, _mm512_load_ps(acc[m] + 16));
+        _mm512_store_ps(acc[m], _mm512_fmadd_ps(_mm512_load_ps(cb[8 + m]), t0, v0));
+        _mm512_store_ps(acc[m] + 16, _mm512_fmadd_ps(_mm512_load_ps(cb[8 + m] + 16), t1, v1));
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, acc[m], W4_NP);
+  }
+  _tile_release();
+}
+
 }  // namespace
+
+void w4a16_amx_pack_a_stacked(const uint16_t* x, int64_t M, int64_t K, uint16_t* xs2) {
+  const int64_t KB = K / 32;
+  std::memset(xs2, 0, sizeof(uint16_t) * KB * 512);
+  for (int64_t kb = 0; kb < KB; ++kb)
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(xs2 + kb * 512 + 32 * m, x + m * K + 32 * kb, 32);
+      std::memcpy(xs2 + kb * 512 + 32 * (8 + m) + 16, x + m * K + 32 * kb + 16, 32);
+    }
+}
+
+void w4a16_amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1) {
+  amx_nvfp4_stacked(g, xs2, M, p0, p1);
+}
 
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1) {
   const int64_t KB = K / 32;

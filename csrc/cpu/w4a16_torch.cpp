@@ -143,11 +143,16 @@ bool amx_enabled() {
 //   nvfp4 fused fp32-FMA   0.72/0.78  0.79/0.87  1.24/1.30  2.38/2.57  3.63/4.32  7.3/8.5
 //   nvfp4 AMX raw codes    1.30/1.33  1.32/1.40  1.34/1.44  1.36/1.49  1.62/1.94  2.6/3.5
 //   (torch int4pack        0.73/0.82  1.04/1.10  1.42/1.49  2.77/2.91  4.80/5.38  9.4/10.7)
-// -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4 (a tile flush per 16-element block): from
-// M = 5; the rest (int4 with other groups: scales folded into the decode) from M = 6.
+// NVFP4 for M <= 8 then got the stacked kernel (two 16-k blocks per tile product, w4a16_amx_nvfp4_stacked);
+// same method, session 3 (min / median, ms):
+//   M                      1          2          3          4
+//   nvfp4 fused fp32-FMA   0.60/0.71  0.71/0.81  0.87/0.99  1.09/1.27
+//   nvfp4 AMX stacked      0.89/1.08  0.87/1.03  0.94/1.11  0.89/1.08   (M=8: 1.15/1.25; raw 8-row tiles 1.36/1.49)
+// -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4: from M = 4; the rest (int4 with other groups:
+// scales folded into the decode) from M = 6.
 int64_t amx_min_m(const W4Gemm& g) {
   if (!w4a16_amx_raw_ok(g, 1)) return 6;
-  return g.mode == W4_NVFP4 ? 5 : 1;
+  return g.mode == W4_NVFP4 ? 4 : 1;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
@@ -206,6 +211,16 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
   if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m(g)))) {
+    if (mode == W4_NVFP4 && M <= 8) {
+      at::Tensor xs2 = at::empty({K * 16}, x.options().dtype(at::kBFloat16));
+      w4a16_amx_pack_a_stacked(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
+                               reinterpret_cast<uint16_t*>(xs2.data_ptr()));
+      at::Tensor bf;
+      if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
+      const uint16_t* xp2 = reinterpret_cast<const uint16_t*>(xs2.data_ptr());
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_amx_nvfp4_stacked(g, xp2, M, p0, p1); });
+      return y;
+    }
     const int64_t MB = (M + 15) / 16;
     at::Tensor xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
