@@ -141,7 +141,21 @@ class OursNVFP4(OursInt4):
         return layouts.to_qweight(spec, t, n, k)
 
 
-BUILTIN = [DenseBF16(), TorchInt4Pack(), OursInt4(), OursNVFP4()]
+class ReadFloor(Contender):
+    """Not a GEMM: one reduction over the bytes our int4 layer holds (packed codes + scales), i.e. the time just
+    to stream the weights from memory - the floor for small M on cold weights."""
+    name = "read_floor"
+    _src = OursInt4()
+
+    def prepare(self, w, group_size):
+        q, s, z, *_ = self._src.prepare(w, group_size)
+        return torch.cat([q.reshape(-1), s.view(torch.uint8).reshape(-1)]).view(torch.int64)
+
+    def run(self, state, x):
+        return state.sum()
+
+
+BUILTIN = [DenseBF16(), TorchInt4Pack(), OursInt4(), OursNVFP4(), ReadFloor()]
 
 
 def all_contenders() -> List[Contender]:
@@ -224,7 +238,8 @@ def table(results, shapes, ms, names) -> str:
         return f"{a / b:.2f}x" if a and b else "-"
     extra = [nm for nm in names if nm not in ("bf16", "int4pack", "ours_int4", "ours_nvfp4")]
     head = ["K×N", "M", "bf16 ms", "int4pack ms", "ours int4 ms", "ours nvfp4 ms"] + [f"{e} ms" for e in extra] + \
-           ["int4 vs int4pack", "int4 vs bf16", "nvfp4 vs bf16", "nvfp4/int4 time"]
+           ["int4 vs int4pack", "int4 vs bf16", "nvfp4 vs bf16", "nvfp4/int4 time"] + \
+           (["int4/read floor time"] if "read_floor" in names else [])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (k, n) in shapes:
         for m in ms:
@@ -233,6 +248,8 @@ def table(results, shapes, ms, names) -> str:
                                             ["bf16", "int4pack", "ours_int4", "ours_nvfp4"] + extra]
             cells += [r(g("int4pack"), g("ours_int4")), r(g("bf16"), g("ours_int4")), r(g("bf16"), g("ours_nvfp4")),
                       f"{g('ours_nvfp4') / g('ours_int4'):.2f}" if g("ours_nvfp4") and g("ours_int4") else "-"]
+            if "read_floor" in names:
+                cells.append(f"{g('ours_int4') / g('read_floor'):.2f}" if g("ours_int4") and g("read_floor") else "-")
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
