@@ -239,8 +239,8 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
   // st * KS / 32 of the packed activations, its (st * KS) % 32 .. + KS columns
   auto decode_step = [&](const uint8_t* q, int64_t st) {
     const uint8_t* qk = q + st * KP * W4_NP;
-    _mm_prefetch(reinterpret_cast<const char*>(qk + 2048), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qk + 2048 + 64 * (KP / 4)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 64 * (KP / 4)), _MM_HINT_T0);
     for (int jj = 0; jj < KP; ++jj) {
       const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
       _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
@@ -301,8 +301,8 @@ void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t 
     std::memset(acc, 0, sizeof(acc));
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* qk = q + kb * 16 * W4_NP;
-      _mm_prefetch(reinterpret_cast<const char*>(qk + 2048), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(qk + 2048 + 256), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 256), _MM_HINT_T0);
       for (int jj = 0; jj < 16; ++jj) {
         const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
         _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));

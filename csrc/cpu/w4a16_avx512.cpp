@@ -55,7 +55,7 @@ void panel_rows(const W4Gemm& g, const uint8_t* q, const float* x, int64_t ldx, 
     const float* xg = x + gi * g.gs;
 #pragma GCC unroll 2
     for (int64_t j = 0; j < kpg; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
       // vpermps only reads index bits 3:0, so the low nibble needs no mask
       const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qq + j * W4_NP)));
       const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qq + j * W4_NP + 16)));
