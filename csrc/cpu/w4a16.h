@@ -62,8 +62,8 @@ void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1);
 void w4a16_fused_generic(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 // avx512: fp32 activations as above, xsum only for asym. (A bf16 vdpbf16ps formulation was tried and
-// dropped: on this Zen 5, vdpbf16ps measured 1.0 ns per instruction and 3.7 ns latency vs 0.24 / 1.9 ns for
-// vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
+// dropped: on the project machine, an AVX-512 + AMX Xeon VM, vdpbf16ps measured 1.0 ns per instruction and
+// 3.7 ns latency vs 0.24 / 1.9 ns for vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:

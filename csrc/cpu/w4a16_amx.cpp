@@ -7,8 +7,9 @@
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of whole panels (~1 MiB) is decoded once into a per-thread buffer and every 32-row block runs over
-// it, so the decode is paid once per weight, and the next row block is prefetched into L2. (M <= 32 mostly
-// takes amx_small_raw below instead: raw codes, scales on the accumulators.) Measured (1 thread, K=N=4096, hot, quiet minima):
+// it, so the decode is paid once per weight, and the next row block is prefetched into L2. (int4 with M <= 32
+// mostly takes amx_small_raw below instead: raw codes, scales on the accumulators; NVFP4 with M <= 8
+// amx_nvfp4_stacked.) Measured (1 thread, K=N=4096, hot, quiet minima):
 // decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s; oneDNN's dense
 // bf16 ~0.95 TFLOP/s). Tried and dropped: K-blocking with the C tiles spilled to L1 between 256-k chunks
 // (1.3-2x slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB
@@ -182,107 +183,96 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   _tile_release();
 }
 
-// M <= 32 (int4 with groups of a multiple of 32, or NVFP4): the codes go to the B tiles as they are (bf16 code
-// values from a 32-entry vpermw LUT: 1 widening load, 2 vpermw and 1 shift per k-pair x 32 columns, no fp32
-// detour), and the group scales (and zero points, through the per-group activation sums) are applied to the C
-// tiles once per group. The decode is what costs at small M, so this is ~3x cheaper per weight than decoding with
-// the scales folded in. KS = k per tdpbf16ps: 32, or 16 for NVFP4's 16-element blocks (A tiles then take 32 of
-// the 64 bytes of each packed row, B tiles 8 rows). A / C tiles have M (<= 16) rows per block.
-template <int MODE, int KS>
+// 16 k-pairs x 32 columns of raw codes (qk) -> two B tiles in bbuf (columns 0..15, then 16..31): bf16 code values
+// from a 32-entry vpermw LUT (entries c and c + 16 equal, so the low nibble needs no mask); the weight stream is
+// prefetched kW4PrefetchBytes ahead.
+inline void decode_raw16(const uint8_t* qk, const __m512i lut, uint16_t* bbuf) {
+  _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 256), _MM_HINT_T0);
+  for (int jj = 0; jj < 16; ++jj) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
+    _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
+    _mm512_store_si512(bbuf + 512 + jj * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+  }
+}
+
+// int4, M <= 32, groups of a multiple of 32: the codes go to the B tiles as they are (decode_raw16: 1 widening
+// load, 2 vpermw and 1 shift per k-pair x 32 columns, no fp32 detour), and the group scales (and zero points,
+// through the per-group activation sums) are applied to the C tiles once per group. The decode is what costs at
+// small M, so this is ~3x cheaper per weight than decoding with the scales folded in. A / C tiles have M (<= 16)
+// rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
+// the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
+// - slower than amx_nvfp4_stacked for M <= 8 and than amx_impl above for M > 8, e.g. M=16 1.9 vs 1.7 ms,
+// M=32 3.3 vs 2.6 ms.)
+template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
-  const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / KS;
-  constexpr int KP = KS / 2;  // k-pairs per step
+  const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / 32;
   const bool two = M > 16;
   const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : 0;
   alignas(64) uint16_t lt[32];
   for (int c = 0; c < 32; ++c)
-    lt[c] = f32_to_bf16_bits(MODE == W4_NVFP4 ? kE2M1[c & 15] : MODE == W4_SYM ? static_cast<float>((c & 15) - 8)
-                                                                               : static_cast<float>(c & 15));
+    lt[c] = f32_to_bf16_bits(MODE == W4_SYM ? static_cast<float>((c & 15) - 8) : static_cast<float>(c & 15));
   const __m512i lut = _mm512_load_si512(lt);
   TileCfg cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
-  cfg.rows[0] = r0; cfg.colsb[0] = 2 * KS;                  // A, rows 0..15
-  cfg.rows[7] = two ? r1 : 16; cfg.colsb[7] = 2 * KS;       // A, rows 16..
-  cfg.rows[1] = cfg.rows[2] = KP; cfg.colsb[1] = cfg.colsb[2] = 64;
+  cfg.rows[0] = r0; cfg.colsb[0] = 64;                  // A, rows 0..15
+  cfg.rows[7] = two ? r1 : 16; cfg.colsb[7] = 64;       // A, rows 16..
+  cfg.rows[1] = cfg.rows[2] = 16; cfg.colsb[1] = cfg.colsb[2] = 64;
   cfg.rows[3] = cfg.rows[4] = r0; cfg.colsb[3] = cfg.colsb[4] = 64;
   cfg.rows[5] = cfg.rows[6] = two ? r1 : 16;
   cfg.colsb[5] = cfg.colsb[6] = 64;
   _tile_loadconfig(&cfg);
   alignas(64) uint16_t bbuf[2 * 16 * 32];
-  alignas(64) float cbuf[1][32][32];
+  alignas(64) float cb[32][32];
   alignas(64) float acc[32][32];
-  // one group into C tiles TA, TB (and 5, 6 for rows 16..31), stored to cbuf[CB]. (The tile intrinsics paste
-  // their tile numbers into the assembly, so the numbers must be literals: a macro, not a template.)
-#define HF_W4_RUN_GROUP(q, gi, TA, TB, CB)                                                                     \
-  do {                                                                                                        \
-    _tile_zero(TA); _tile_zero(TB);                                                                           \
-    if (two) { _tile_zero(5); _tile_zero(6); }                                                                \
-    for (int64_t st = (gi) * steps; st < ((gi) + 1) * steps; ++st) {                                          \
-      decode_step((q), st);                                                                                   \
-      const uint16_t* ak = xa + (st * KS / 32) * 512 + (st * KS) % 32;                                        \
-      _tile_loadd(1, bbuf, 64);                                                                               \
-      _tile_loadd(2, bbuf + 32 * KP, 64);                                                                     \
-      _tile_loadd(0, ak, 64);                                                                                 \
-      _tile_dpbf16ps(TA, 0, 1);                                                                               \
-      _tile_dpbf16ps(TB, 0, 2);                                                                               \
-      if (two) {                                                                                              \
-        _tile_loadd(7, ak + KB * 512, 64);                                                                    \
-        _tile_dpbf16ps(5, 7, 1);                                                                              \
-        _tile_dpbf16ps(6, 7, 2);                                                                              \
-      }                                                                                                       \
-    }                                                                                                         \
-    _tile_stored(TA, &cbuf[CB][0][0], 128); _tile_stored(TB, &cbuf[CB][0][16], 128);                          \
-    if (two) { _tile_stored(5, &cbuf[CB][16][0], 128); _tile_stored(6, &cbuf[CB][16][16], 128); }             \
-  } while (0)
-  // KP k-pairs from step st on -> bbuf (B tiles: columns 0..15, then 16..31); A of the step: k-block
-  // st * KS / 32 of the packed activations, its (st * KS) % 32 .. + KS columns
-  auto decode_step = [&](const uint8_t* q, int64_t st) {
-    const uint8_t* qk = q + st * KP * W4_NP;
-    _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 64 * (KP / 4)), _MM_HINT_T0);
-    for (int jj = 0; jj < KP; ++jj) {
-      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
-      _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
-      _mm512_store_si512(bbuf + 32 * KP + jj * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
-    }
-  };
-  // acc += scale * C (- zero * scale * xsum) for group gi, from cb
-  auto apply = [&](int64_t p, int64_t gi, const float(*cb)[32]) {
-    const int64_t so = (p * G + gi) * W4_NP;
-    __m512 s0, s1;
-    load_scales<MODE>(g, so, s0, s1);
-    for (int64_t m = 0; m < M; ++m) {
-      __m512 v0 = _mm512_fmadd_ps(_mm512_load_ps(cb[m]), s0, _mm512_load_ps(acc[m]));
-      __m512 v1 = _mm512_fmadd_ps(_mm512_load_ps(cb[m] + 16), s1, _mm512_load_ps(acc[m] + 16));
-      if (MODE == W4_ASYM) {
-        const __m512 xs = _mm512_set1_ps(xsum[m * G + gi]);
-        v0 = _mm512_fnmadd_ps(_mm512_loadu_ps(g.zs + so), xs, v0);
-        v1 = _mm512_fnmadd_ps(_mm512_loadu_ps(g.zs + so + 16), xs, v1);
-      }
-      _mm512_store_ps(acc[m], v0);
-      _mm512_store_ps(acc[m] + 16, v1);
-    }
-  };
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     std::memset(acc, 0, sizeof(float) * 32 * M);
-    // (Tried: alternating two C tile pairs between groups and reading a group's C back only after the next
-    // group was issued - slower, int4 M=1 0.94 vs 0.60-0.67 ms.)
     for (int64_t gi = 0; gi < G; ++gi) {
-      HF_W4_RUN_GROUP(q, gi, 3, 4, 0);
-      apply(p, gi, cbuf[0]);
+      _tile_zero(3); _tile_zero(4);
+      if (two) { _tile_zero(5); _tile_zero(6); }
+      for (int64_t kb = gi * steps; kb < (gi + 1) * steps; ++kb) {
+        decode_raw16(q + kb * 16 * W4_NP, lut, bbuf);
+        const uint16_t* ak = xa + kb * 512;
+        _tile_loadd(1, bbuf, 64);
+        _tile_loadd(2, bbuf + 512, 64);
+        _tile_loadd(0, ak, 64);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_dpbf16ps(4, 0, 2);
+        if (two) {
+          _tile_loadd(7, ak + KB * 512, 64);
+          _tile_dpbf16ps(5, 7, 1);
+          _tile_dpbf16ps(6, 7, 2);
+        }
+      }
+      _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
+      if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
+      // acc += scale * C (- zero * scale * xsum)
+      const int64_t so = (p * G + gi) * W4_NP;
+      __m512 s0, s1;
+      load_scales<MODE>(g, so, s0, s1);
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 v0 = _mm512_fmadd_ps(_mm512_load_ps(cb[m]), s0, _mm512_load_ps(acc[m]));
+        __m512 v1 = _mm512_fmadd_ps(_mm512_load_ps(cb[m] + 16), s1, _mm512_load_ps(acc[m] + 16));
+        if (MODE == W4_ASYM) {
+          const __m512 xs = _mm512_set1_ps(xsum[m * G + gi]);
+          v0 = _mm512_fnmadd_ps(_mm512_loadu_ps(g.zs + so), xs, v0);
+          v1 = _mm512_fnmadd_ps(_mm512_loadu_ps(g.zs + so + 16), xs, v1);
+        }
+        _mm512_store_ps(acc[m], v0);
+        _mm512_store_ps(acc[m] + 16, v1);
+      }
     }
     for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, acc[m], W4_NP);
   }
-#undef HF_W4_RUN_GROUP
   _tile_release();
 }
 
 // NVFP4 with M <= 8: both 16-k blocks of a 32-k step in one tdpbf16ps. The A tile holds the rows twice (packed
 // by w4a16_amx_pack_a_stacked): rows 0..7 carry the step's first 16 k (the other 16 columns zero), rows 8..15
 // its second 16 k, so one full 16-row B tile of raw codes gives the two blocks' partial sums in separate C rows,
-// each then scaled by its own fp8 block scale - half the tile operations of amx_small_raw's 8-row B tiles.
+// each then scaled by its own fp8 block scale (half the tile operations of 16-k steps with 8-row B tiles).
 void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, KB = K / 32;
   alignas(64) uint16_t lt[32];
@@ -300,14 +290,7 @@ void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t 
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     std::memset(acc, 0, sizeof(acc));
     for (int64_t kb = 0; kb < KB; ++kb) {
-      const uint8_t* qk = q + kb * 16 * W4_NP;
-      _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 256), _MM_HINT_T0);
-      for (int jj = 0; jj < 16; ++jj) {
-        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
-        _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
-        _mm512_store_si512(bbuf + 512 + jj * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
-      }
+      decode_raw16(q + kb * 16 * W4_NP, lut, bbuf);
       _tile_zero(3); _tile_zero(4);
       _tile_loadd(1, bbuf, 64);
       _tile_loadd(2, bbuf + 512, 64);
@@ -361,13 +344,12 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
 }
 
 // xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 with M <= 32
-bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) { return M <= 32 && (g.mode == W4_NVFP4 || g.gs % 32 == 0); }
+bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) { return M <= 32 && g.mode != W4_NVFP4 && g.gs % 32 == 0; }
 
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   if (w4a16_amx_raw_ok(g, M)) {
-    if (g.mode == W4_NVFP4) amx_small_raw<W4_NVFP4, 16>(g, xa, xsum, M, p0, p1);
-    else if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM, 32>(g, xa, xsum, M, p0, p1);
-    else amx_small_raw<W4_SYM, 32>(g, xa, xsum, M, p0, p1);
+    if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM>(g, xa, xsum, M, p0, p1);
+    else amx_small_raw<W4_SYM>(g, xa, xsum, M, p0, p1);
   } else if (g.mode == W4_NVFP4) {
     amx_impl<W4_NVFP4>(g, xa, M, p0, p1);
   } else if (g.mode == W4_ASYM) {

@@ -103,7 +103,7 @@ int dt_code(at::ScalarType t) {
 }
 
 // Largest M that takes the fused path (above it: dequantize N-chunks and at::linear).
-// Measured on the project machine (Zen 5, 1 thread CPU time, K=N=4096, bf16 x, g128; box heavily loaded):
+// Measured on the project machine (the AVX-512 Xeon VM, 1 thread CPU time, K=N=4096, bf16 x, g128; box heavily loaded):
 //   M      8     16     32     64    256
 //   fused  3.9   6.4   12.8   27.3  110.5 ms
 //   deq+lin 15.6 10.5  14.4   11.4   31.4 ms   (bf16 dense F.linear: 4.1 4.1 5.1 7.4 29.3 ms)
@@ -148,11 +148,13 @@ bool amx_enabled() {
 //   M                      1          2          3          4
 //   nvfp4 fused fp32-FMA   0.60/0.71  0.71/0.81  0.87/0.99  1.09/1.27
 //   nvfp4 AMX stacked      0.89/1.08  0.87/1.03  0.94/1.11  0.89/1.08   (M=8: 1.15/1.25; raw 8-row tiles 1.36/1.49)
+// NVFP4 with M > 8 takes the scale-folding AMX kernel (amx_impl) rather than 16-k steps of raw codes with 8-row B
+// tiles: M=16 1.66-1.75 vs 1.88-1.96 ms, M=32 2.53-2.76 vs 3.3 ms.
 // -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4: from M = 4; the rest (int4 with other groups:
 // scales folded into the decode) from M = 6.
 int64_t amx_min_m(const W4Gemm& g) {
-  if (!w4a16_amx_raw_ok(g, 1)) return 6;
-  return g.mode == W4_NVFP4 ? 4 : 1;
+  if (g.mode == W4_NVFP4) return 4;
+  return w4a16_amx_raw_ok(g, 1) ? 1 : 6;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
