@@ -300,6 +300,31 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
 # codes + scales -> checkpoint tensors (the writers' half)
 
 
+# The tensor of each layout that holds the weight codes (the big one). QuantLinear may drop it once a kernel has
+# repacked it, and rebuild it with pack_codes from the kernel's copy when it is asked for (state_dict, save).
+CODE_TENSOR = {"gptq": "qweight", "awq": "qweight", "ct_pack": "weight_packed", "ct_int": "weight",
+               "ct_nvfp4": "weight_packed", "modelopt_nvfp4": "weight"}
+
+
+def pack_codes(spec: W4Spec, codes: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The code tensor (``CODE_TENSOR[spec.layout]``) exactly as on disk, from codes ``[N, K]`` (int4 / E2M1
+    codes 0..15, or int8 values). Packs ``chunk`` rows or columns at a time (pack_nibbles works in int64)."""
+    n, k = codes.shape
+    L = spec.layout
+    if L == "gptq":     # [K/8, N], nibbles along K
+        return torch.cat([pack_nibbles(codes[i:i + chunk].t(), 0, SEQ_SLOTS) for i in range(0, n, chunk)], 1)
+    if L == "awq":      # [K, N/8], nibbles along N in AWQ order
+        return torch.cat([pack_nibbles(codes[:, i:i + chunk].t(), 1, AWQ_SLOTS) for i in range(0, k, chunk)], 0)
+    if L == "ct_pack":  # [N, K/8], nibbles along K
+        return torch.cat([pack_nibbles(codes[i:i + chunk], 1, SEQ_SLOTS) for i in range(0, n, chunk)], 0)
+    if L == "ct_int":
+        return codes.to(torch.int8).contiguous()
+    if L in ("ct_nvfp4", "modelopt_nvfp4"):  # [N, K/2] bytes, even k in the low nibble
+        c = codes.to(torch.uint8)
+        return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+    raise NotImplementedError(f"layout {L!r} is not supported")
+
+
 def pack(spec: W4Spec, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None,
          global_scale: Optional[float] = None, g_idx: Optional[torch.Tensor] = None,
          scale_dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
@@ -318,30 +343,27 @@ def pack(spec: W4Spec, codes: torch.Tensor, scales: torch.Tensor, zeros: Optiona
         if L == "gptq" and spec.zero_plus_one:
             z = z - 1  # v1 stores zero-1 (a true zero of 0 wraps to 15, as the producers' files would)
         sd = scale_dtype or torch.float16
-        out = {"scales": scales.t().contiguous().to(sd)}
+        out = {"scales": scales.t().contiguous().to(sd), "qweight": pack_codes(spec, codes)}
         if L == "gptq":
-            out["qweight"] = pack_nibbles(codes.t(), 0, SEQ_SLOTS)
             out["qzeros"] = pack_nibbles(z.t(), 1, SEQ_SLOTS)
             if g_idx is not None or spec.has_g_idx:
                 gs = spec.effective_group(k)
                 out["g_idx"] = (g_idx if g_idx is not None else torch.arange(k) // gs).to(torch.int32)
         else:
-            out["qweight"] = pack_nibbles(codes.t(), 1, AWQ_SLOTS)
             out["qzeros"] = pack_nibbles(z.t(), 1, AWQ_SLOTS)
         return out
     if L == "ct_pack":
-        out = {"weight_packed": pack_nibbles(codes, 1, SEQ_SLOTS),
+        out = {"weight_packed": pack_codes(spec, codes),
                "weight_scale": scales.to(scale_dtype or torch.bfloat16).contiguous(),
                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
         if not spec.sym:
             out["weight_zero_point"] = pack_nibbles(zeros.to(torch.int64), 0, SEQ_SLOTS)
         return out
     if L == "ct_int":
-        return {"weight": codes.to(torch.int8).contiguous(),
+        return {"weight": pack_codes(spec, codes),
                 "weight_scale": scales.to(scale_dtype or torch.bfloat16).contiguous()}
     if L in ("ct_nvfp4", "modelopt_nvfp4"):
-        c = codes.to(torch.int64)
-        packed = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).contiguous()
+        packed = pack_codes(spec, codes)
         out = {"weight_scale": scales.to(FP8).contiguous()}
         if L == "ct_nvfp4":
             out["weight_packed"] = packed

@@ -2,10 +2,14 @@
 
 Parameters are named, shaped and typed exactly as on disk (so transformers loads them as they are, disk
 offload and ``.to()`` cannot cast them, and ``state_dict``/``save_pretrained`` write the checkpoint's own
-format). The selected kernel's repacked copy lives in non-persistent buffers.
+format). The selected kernel's repacked copy lives in non-persistent buffers. When the kernel can give the codes
+back exactly (``Kernel.CAN_UNPACK_CODES``), the checkpoint's code tensor is dropped after the repack, so the
+packed weight is held once, and rebuilt from the kernel's copy whenever it is asked for (``state_dict``,
+``save_pretrained``, ``dequantize``, a new kernel); ``HF_W4_KEEP_CHECKPOINT_TENSORS=1`` keeps both copies.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -30,10 +34,25 @@ class QuantLinear(nn.Module):
             self.register_parameter("bias", None)
         self.kernel = None
         self.kernel_reasons: Dict[str, str] = {}
+        self._dropped: Dict[str, Tuple[tuple, torch.dtype]] = {}  # checkpoint tensors only the kernel holds
 
     # -- tensors
     def checkpoint_tensors(self) -> Dict[str, torch.Tensor]:
-        return {t: getattr(self, t) for t in self.tensor_names}
+        """The module's tensors exactly as in the checkpoint (a dropped code tensor is rebuilt)."""
+        return {t: self._rebuild(t) if t in self._dropped else getattr(self, t) for t in self.tensor_names}
+
+    def __getattr__(self, name: str):
+        if name in self.__dict__.get("_dropped", ()):  # e.g. ``module.weight`` of a ModelOpt layer: rebuilt
+            return self._rebuild(name)
+        return super().__getattr__(name)
+
+    def _rebuild(self, t: str) -> torch.Tensor:
+        shape, dtype = self._dropped[t]
+        v = layouts.pack_codes(self.spec, self.kernel.unpack_codes(self))
+        if tuple(v.shape) != shape or v.dtype != dtype:
+            raise RuntimeError(f"{self.name}.{t}: rebuilt {tuple(v.shape)} {v.dtype} from the {self.kernel} kernel, "
+                               f"expected {shape} {dtype}")
+        return v
 
     def quantized_weight(self) -> layouts.QWeight:
         return layouts.to_qweight(self.spec, {t: v.data for t, v in self.checkpoint_tensors().items()},
@@ -52,6 +71,8 @@ class QuantLinear(nn.Module):
         """Raise if any tensor was not loaded from the checkpoint (transformers fills missing tensors with
         ``torch.empty_like``, i.e. uninitialised memory)."""
         for t in self.tensor_names + (("bias",) if self.bias is not None else ()):
+            if t in self._dropped:  # checked when it was loaded; now held by the kernel
+                continue
             p = getattr(self, t)
             if p.device.type == "meta":
                 raise layouts.LayoutError(f"{self.name}.{t}: still on the meta device after loading "
@@ -62,14 +83,42 @@ class QuantLinear(nn.Module):
 
     # -- kernel
     def select_kernel(self, dtype: torch.dtype, force: Optional[str] = None, deny: Sequence[str] = ()) -> None:
-        device = next(iter(self.checkpoint_tensors().values())).device
+        tensors = {t: v.data for t, v in self.checkpoint_tensors().items()}  # before the old kernel's buffers go
+        device = next(iter(tensors.values())).device
         cls, self.kernel_reasons = registry.select(self.spec, self.out_features, self.in_features, device, dtype,
                                                    force=force, deny=deny, name=self.name)
+        qw = layouts.to_qweight(self.spec, tensors, self.out_features, self.in_features, self.name)
         for b in list(self._buffers):
             del self._buffers[b]
         kernel = cls(self.spec, self.out_features, self.in_features)
-        kernel.prepare(self, self.quantized_weight())
+        kernel.prepare(self, qw)
         self.kernel = kernel
+        # hold the packed weight once: the kernel's copy stands in for the checkpoint's code tensor if it can
+        code = layouts.CODE_TENSOR.get(self.spec.layout)
+        keep = os.environ.get("HF_W4_KEEP_CHECKPOINT_TENSORS", "") not in ("", "0")
+        if code in self.tensor_names and kernel.CAN_UNPACK_CODES and not keep:
+            if code not in self._dropped:
+                p = self._parameters.pop(code)
+                self._dropped[code] = (tuple(p.shape), p.dtype)
+        elif code in self._dropped:  # this kernel cannot rebuild it: the checkpoint tensor comes back
+            del self._dropped[code]
+            self.register_parameter(code, nn.Parameter(tensors[code], requires_grad=False))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for t in self._dropped:
+            destination[prefix + t] = self._rebuild(t)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for t in self._dropped:
+            if prefix + t in state_dict:
+                raise layouts.LayoutError(
+                    f"{self.name}.{t}: the {self.kernel} kernel holds this module's packed weight (its checkpoint "
+                    "copy was dropped after the repack), so load_state_dict cannot replace it; load the checkpoint "
+                    "with from_pretrained, or set HF_W4_KEEP_CHECKPOINT_TENSORS=1 before loading")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

@@ -5,7 +5,7 @@ A kernel class declares its static capabilities as class attributes, answers
 ``can_implement(spec, n, k, device, dtype)`` (can it run this layer), both as ``(ok, reason)``.
 An instance is bound to one layer: ``prepare(layer, qw)`` repacks the canonical
 :class:`~hf_w4.layouts.QWeight` into the kernel's layout (stored on the layer as *non-persistent*
-buffers, so ``state_dict``/``save_pretrained`` keep the checkpoint tensors), and
+buffers, so ``state_dict``/``save_pretrained`` write the checkpoint tensors), and
 ``apply(layer, x, bias)`` computes ``x @ W.T + bias`` in ``x.dtype``.
 """
 from __future__ import annotations
@@ -84,6 +84,14 @@ class Kernel:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    # Kernels whose repacked copy holds every code exactly set this and implement unpack_codes; the layer then
+    # drops the checkpoint's code tensor after prepare (one copy of the packed weight in memory, not two).
+    CAN_UNPACK_CODES: bool = False
+
+    def unpack_codes(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The weight codes ``[N, K]`` (uint8 0..15, original column order) back from this kernel's buffers."""
+        raise NotImplementedError(f"{self.NAME} cannot give the weight codes back")
 
     def __repr__(self) -> str:
         return self.NAME

@@ -1,0 +1,145 @@
+"""One copy of the packed weight: after the cpu_w4a16 repack a QuantLinear drops the checkpoint's code tensor and
+rebuilds it, bit-exact, from the kernel's copy whenever it is asked for (state_dict, save_pretrained, attribute
+access, dequantize, another kernel)."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import hf_w4
+from hf_w4 import layouts, writers
+from hf_w4.nn import QuantLinear
+
+# every 4-bit layout the writers produce: GPTQ (sym, asym v1, act-order, v2), AutoRound (GPTQ- and AWQ-packed),
+# AWQ, compressed-tensors pack-quantized (sym, asym g32, channel-wise), CT NVFP4, ModelOpt W4A16 / NVFP4
+VARIANTS = [
+    ("gptq", dict(sym=True)),
+    ("gptq", dict(sym=False, group_size=64)),
+    ("gptq", dict(sym=True, desc_act=True)),
+    ("gptq", dict(sym=False, checkpoint_format="gptq_v2")),
+    ("autoround", dict(sym=True)),
+    ("autoround-awq", dict(sym=False)),
+    ("awq", dict(sym=False)),
+    ("ct-w4a16", dict(sym=True)),
+    ("ct-w4a16", dict(sym=False, group_size=32)),
+    ("ct-w4a16", dict(sym=True, group_size=-1)),
+    ("ct-nvfp4", dict()),
+    ("modelopt-w4a16", dict()),
+    ("modelopt-nvfp4", dict()),
+]
+IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items()) for f, o in VARIANTS]
+
+
+@pytest.fixture(autouse=True)
+def _installed(monkeypatch):
+    monkeypatch.delenv("HF_W4_KEEP_CHECKPOINT_TENSORS", raising=False)
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny_llama):
+    cache = {}
+
+    def get(fmt, opts):
+        key = (fmt, repr(sorted(opts.items())))
+        if key not in cache:
+            cache[key] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "ckpt"), fmt, **opts)
+        return cache[key]
+    return get
+
+
+def _tokens():
+    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _held_bytes(model):
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                                                                      b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+@pytest.mark.parametrize("fmt,opts", VARIANTS, ids=IDS)
+def test_code_tensor_dropped_and_rebuilt_bit_exact(written, tmp_path, fmt, opts):
+    res = written(fmt, opts)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert qls and all(m.kernel.NAME == "cpu_w4a16" for m in qls)
+    for m in qls:
+        code = layouts.CODE_TENSOR[m.spec.layout]
+        own = dict(m.named_parameters(recurse=False)) | dict(m.named_buffers(recurse=False))
+        assert code not in own, f"{m.name}: {code} is still held next to the kernel's copy"
+    # the state dict is the checkpoint, byte for byte (code tensors rebuilt from the kernel layout)
+    disk = load_file(os.path.join(res.path, "model.safetensors"))
+    sd = model.state_dict()
+    assert set(sd) == set(disk)
+    bad = [k for k in disk if not _same(sd[k], disk[k])]
+    assert not bad, f"rebuilt tensors differ from the checkpoint: {bad[:5]}"
+    # attribute access rebuilds too (e.g. ``module.weight`` of a ModelOpt layer)
+    m = qls[0]
+    code = layouts.CODE_TENSOR[m.spec.layout]
+    assert _same(getattr(m, code), disk[f"{m.name}.{code}"])
+    # save -> reload -> same logits
+    x = _tokens()
+    with torch.no_grad():
+        y = model(x).logits
+    model.save_pretrained(tmp_path / "re")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "re", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, y)
+
+
+def test_memory_is_one_copy(written, monkeypatch):
+    res = written("gptq", dict(sym=True))
+    lean = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    monkeypatch.setenv("HF_W4_KEEP_CHECKPOINT_TENSORS", "1")
+    both = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    code_bytes = sum(m.qweight.numel() * 4 for m in both.modules() if isinstance(m, QuantLinear))
+    assert all("qweight" in dict(m.named_parameters()) for m in both.modules() if isinstance(m, QuantLinear))
+    assert _held_bytes(both) - _held_bytes(lean) == code_bytes
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(lean(x).logits, both(x).logits)
+    q = next(m for m in lean.modules() if isinstance(m, QuantLinear))
+    assert q.packed_bytes() < next(m for m in both.modules() if isinstance(m, QuantLinear)).packed_bytes()
+
+
+@pytest.mark.parametrize("fmt,opts", [("gptq", dict(sym=False, desc_act=True)), ("modelopt-nvfp4", {})])
+def test_other_kernel_gets_the_codes_back(written, fmt, opts):
+    res = written(fmt, opts)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    x = _tokens()
+    with torch.no_grad():
+        y = model(x).logits
+    disk = load_file(os.path.join(res.path, "model.safetensors"))
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.select_kernel(torch.float32, force="torch_reference")
+            code = layouts.CODE_TENSOR[m.spec.layout]
+            assert code in dict(m.named_parameters(recurse=False)), "the reference kernel needs the checkpoint tensor"
+            assert _same(getattr(m, code), disk[f"{m.name}.{code}"])
+    with torch.no_grad():
+        y2 = model(x).logits
+    assert ((y2 - y).abs().max() / y.abs().max()).item() < 1e-5
+    for m in model.modules():   # and back: dropped again, still exact
+        if isinstance(m, QuantLinear):
+            m.select_kernel(torch.float32)
+            assert layouts.CODE_TENSOR[m.spec.layout] not in dict(m.named_parameters(recurse=False))
+    sd = model.state_dict()
+    qkeys = [f"{m.name}.{t}" for m in model.modules() if isinstance(m, QuantLinear) for t in m.tensor_names]
+    assert qkeys and all(_same(sd[k], disk[k]) for k in qkeys)
+
+
+def test_load_state_dict_into_a_dropped_module_is_refused(written):
+    res = written("awq", dict(sym=False))
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    sd = load_file(os.path.join(res.path, "model.safetensors"))
+    with pytest.raises(layouts.LayoutError, match=r"model\.layers\.0\.self_attn\.q_proj\.qweight: the cpu_w4a16 kernel "
+                                                    r"holds this module's packed weight"):
+        model.load_state_dict(sd, strict=False)
