@@ -28,6 +28,8 @@ VARIANTS = [
     ("ct-nvfp4", dict()),
     ("modelopt-w4a16", dict()),
     ("modelopt-nvfp4", dict()),
+    ("ct-w8a8", dict()),                      # cpu_int8: int8 weights
+    ("ct-w4a8", dict()),                      # cpu_int8: int4 values held in int8
 ]
 IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items()) for f, o in VARIANTS]
 
@@ -70,7 +72,7 @@ def test_code_tensor_dropped_and_rebuilt_bit_exact(written, tmp_path, fmt, opts)
     res = written(fmt, opts)
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert qls and all(m.kernel.NAME == "cpu_w4a16" for m in qls)
+    assert qls and all(m.kernel.NAME in ("cpu_w4a16", "cpu_int8") for m in qls)
     for m in qls:
         code = layouts.CODE_TENSOR[m.spec.layout]
         own = dict(m.named_parameters(recurse=False)) | dict(m.named_buffers(recurse=False))
@@ -93,6 +95,20 @@ def test_code_tensor_dropped_and_rebuilt_bit_exact(written, tmp_path, fmt, opts)
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "re", dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(again(x).logits, y)
+
+
+@pytest.mark.parametrize("fmt,opts", [("gptq", dict(sym=False, desc_act=True)), ("awq", dict(sym=False))])
+def test_w4a8_opt_in_rebuilds_bit_exact(written, fmt, opts):
+    """activation="int8" runs 4-bit layers on cpu_int8 (int4 panels): its copy stands in for the codes too."""
+    res = written(fmt, opts)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16,
+                                                 quantization_config=hf_w4.GPTQConfig(activation="int8")
+                                                 if fmt == "gptq" else hf_w4.AwqConfig(activation="int8"))
+    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert qls and all(m.kernel.NAME == "cpu_int8" and "qweight" not in dict(m.named_parameters()) for m in qls)
+    disk = load_file(os.path.join(res.path, "model.safetensors"))
+    sd = model.state_dict()
+    assert all(_same(sd[k], disk[k]) for k in disk)
 
 
 def test_memory_is_one_copy(written, monkeypatch):

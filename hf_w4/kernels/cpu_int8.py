@@ -74,8 +74,34 @@ class CpuInt8Kernel(Kernel):
         layer.register_buffer("int8_zeros", zeros if zeros.numel() else None, persistent=False)
         layer.register_buffer("int8_perm", perm, persistent=False)
         self.weight_type = "int4" if as_int4 else qw.weight_type
+        self.as_int4 = as_int4
         self.group_size = qw.group_size
         self.act_group = self.spec.act == "int8_group"
+
+    CAN_UNPACK_CODES = True
+
+    def unpack_codes(self, layer: torch.nn.Module) -> torch.Tensor:
+        """Inverse of the repack (csrc/cpu/int8_gemm.h): panels of 64 columns; each group padded to Gp = roundup(gs, 8)
+        packed columns; int8: quads of 256 bytes, byte 4n + kk of quad q = w[64p + n][4q + kk] + 128; int4: byte
+        i of quad pair q2 holds byte i of quads 2q2 (low nibble) and 2q2 + 1 (high). Returns int4 codes 0..15
+        (uint8), or int8 values (int8; also for int4 values held in int8, stored here as codes v + 8)."""
+        b, n, k = layer.int8_packed, self.n, self.k
+        gs = self.group_size if self.group_size and self.group_size > 0 else k
+        G, Gp = k // gs, (gs + 7) // 8 * 8
+        P, Kp = b.shape[0], G * Gp
+        if self.weight_type == "int8":
+            quads = b.view(P, Kp // 4, 64, 4).to(torch.int16) - 128
+        else:
+            pairs = b.view(P, Kp // 8, 256)
+            quads = torch.stack([pairs & 15, pairs >> 4], 2).view(P, Kp // 4, 64, 4)
+        w = quads.permute(0, 2, 1, 3).reshape(P * 64, Kp)[:n].view(n, G, Gp)[:, :, :gs].reshape(n, k)
+        if self.weight_type == "int8" or self.as_int4:
+            w = (w.to(torch.int16) - (8 if self.as_int4 else 0)).to(torch.int8)
+        if layer.int8_perm is not None:
+            orig = torch.empty_like(w)
+            orig[:, layer.int8_perm] = w
+            w = orig
+        return w
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return torch.ops.hf_w4.int8_gemm(x, layer.int8_packed, layer.int8_scales, layer.int8_zeros, layer.int8_perm,
