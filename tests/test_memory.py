@@ -1,4 +1,4 @@
-"""One copy of the packed weight: after the cpu_w4a16 repack a QuantLinear drops the checkpoint's code tensor and
+"""One copy of the packed weight: after the repack for a compiled CPU kernel a QuantLinear drops the checkpoint's code tensor and
 rebuilds it, bit-exact, from the kernel's copy whenever it is asked for (state_dict, save_pretrained, attribute
 access, dequantize, another kernel)."""
 import os
@@ -9,29 +9,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_w4
-from hf_w4 import layouts, writers
+from hf_w4 import layouts
 from hf_w4.nn import QuantLinear
 
-# every 4-bit layout the writers produce: GPTQ (sym, asym v1, act-order, v2), AutoRound (GPTQ- and AWQ-packed),
-# AWQ, compressed-tensors pack-quantized (sym, asym g32, channel-wise), CT NVFP4, ModelOpt W4A16 / NVFP4
-VARIANTS = [
-    ("gptq", dict(sym=True)),
-    ("gptq", dict(sym=False, group_size=64)),
-    ("gptq", dict(sym=True, desc_act=True)),
-    ("gptq", dict(sym=False, checkpoint_format="gptq_v2")),
-    ("autoround", dict(sym=True)),
-    ("autoround-awq", dict(sym=False)),
-    ("awq", dict(sym=False)),
-    ("ct-w4a16", dict(sym=True)),
-    ("ct-w4a16", dict(sym=False, group_size=32)),
-    ("ct-w4a16", dict(sym=True, group_size=-1)),
-    ("ct-nvfp4", dict()),
-    ("modelopt-w4a16", dict()),
-    ("modelopt-nvfp4", dict()),
-    ("ct-w8a8", dict()),                      # cpu_int8: int8 weights
-    ("ct-w4a8", dict()),                      # cpu_int8: int4 values held in int8
-]
-IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items()) for f, o in VARIANTS]
+# every variant the spine test loads (all four families, ModelOpt, both CT int-quantized ones)
+from test_from_pretrained import IDS, VARIANTS, written  # noqa: E402,F401  (``written``: the shared fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -40,18 +22,6 @@ def _installed(monkeypatch):
     hf_w4.install()
     yield
     hf_w4.uninstall()
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, tiny_llama):
-    cache = {}
-
-    def get(fmt, opts):
-        key = (fmt, repr(sorted(opts.items())))
-        if key not in cache:
-            cache[key] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "ckpt"), fmt, **opts)
-        return cache[key]
-    return get
 
 
 def _tokens():
@@ -73,6 +43,7 @@ def test_code_tensor_dropped_and_rebuilt_bit_exact(written, tmp_path, fmt, opts)
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert qls and all(m.kernel.NAME in ("cpu_w4a16", "cpu_int8") for m in qls)
+    assert not [m.name for m in qls if layouts.CODE_TENSOR[m.spec.layout] in dict(m.named_parameters(recurse=False))]
     for m in qls:
         code = layouts.CODE_TENSOR[m.spec.layout]
         own = dict(m.named_parameters(recurse=False)) | dict(m.named_buffers(recurse=False))

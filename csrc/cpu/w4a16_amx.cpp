@@ -60,6 +60,21 @@ struct alignas(64) TileCfg {
   uint8_t rows[16];
 };
 
+// One 32-k step of the 2 x 2 register blocking: B tiles 1, 2 (columns 0..15, 16..31) from b, b + 512; A tile 0
+// (rows 0..15) from a0 and, when two, A tile 7 (rows 16..31) from a1; C tiles 3, 4 (and 5, 6) accumulate.
+inline void tile_step(const uint16_t* b, const uint16_t* a0, const uint16_t* a1, bool two) {
+  _tile_loadd(1, b, 64);
+  _tile_loadd(2, b + 512, 64);
+  _tile_loadd(0, a0, 64);
+  _tile_dpbf16ps(3, 0, 1);
+  _tile_dpbf16ps(4, 0, 2);
+  if (two) {
+    _tile_loadd(7, a1, 64);
+    _tile_dpbf16ps(5, 7, 1);
+    _tile_dpbf16ps(6, 7, 2);
+  }
+}
+
 template <int MODE>
 void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
   // tiles: 0 / 7 = A of the two 16-row blocks, 1-2 = B (columns 0..15, 16..31), 3-4 / 5-6 = C
@@ -159,16 +174,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
           for (int64_t kb = k0; kb < k1; ++kb) {
             for (int64_t l = ((p - pb) * kn + kb - k0) * per, le = std::min(an_lines, l + per); l < le; ++l)
               _mm_prefetch((l < kn * 16 ? an0 : an1 - kn * 1024) + 64 * l, _MM_HINT_T1);
-            _tile_loadd(1, b + (kb - k0) * 1024, 64);
-            _tile_loadd(2, b + (kb - k0) * 1024 + 512, 64);
-            _tile_loadd(0, a0 + kb * 512, 64);
-            _tile_dpbf16ps(3, 0, 1);
-            _tile_dpbf16ps(4, 0, 2);
-            if (two) {
-              _tile_loadd(7, a1 + kb * 512, 64);
-              _tile_dpbf16ps(5, 7, 1);
-              _tile_dpbf16ps(6, 7, 2);
-            }
+            tile_step(b + (kb - k0) * 1024, a0 + kb * 512, a1 + kb * 512, two);
           }
           if (last) {
             epilogue(p, mb, two);
@@ -234,17 +240,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
       if (two) { _tile_zero(5); _tile_zero(6); }
       for (int64_t kb = gi * steps; kb < (gi + 1) * steps; ++kb) {
         decode_raw16(q + kb * 16 * W4_NP, lut, bbuf);
-        const uint16_t* ak = xa + kb * 512;
-        _tile_loadd(1, bbuf, 64);
-        _tile_loadd(2, bbuf + 512, 64);
-        _tile_loadd(0, ak, 64);
-        _tile_dpbf16ps(3, 0, 1);
-        _tile_dpbf16ps(4, 0, 2);
-        if (two) {
-          _tile_loadd(7, ak + KB * 512, 64);
-          _tile_dpbf16ps(5, 7, 1);
-          _tile_dpbf16ps(6, 7, 2);
-        }
+        tile_step(bbuf, xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
       }
       _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
       if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
