@@ -38,13 +38,13 @@ class LayoutError(ValueError):
 def pack_nibbles(values: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SLOTS) -> torch.Tensor:
     """Pack 4-bit values (0..15, any int dtype) 8 per int32 along ``dim``: element j of each run of 8
     goes to bits [4*slots[j], 4*slots[j]+4)."""
-    v = values.movedim(dim, -1).to(torch.int64) & 0xF
+    v = values.movedim(dim, -1)
     if v.shape[-1] % 8:
         raise LayoutError(f"cannot pack {v.shape[-1]} values 8 per int32 (not a multiple of 8)")
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
-    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int64)
-    words = (v << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    v = (v.to(torch.int32) & 0xF).reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    words = v[..., 0] << (4 * slots[0])
+    for j in range(1, 8):   # int32 shifts wrap into the sign bit: the word's two's-complement bit pattern
+        words |= v[..., j] << (4 * slots[j])
     return words.movedim(-1, dim).contiguous()
 
 
@@ -308,7 +308,7 @@ CODE_TENSOR = {"gptq": "qweight", "awq": "qweight", "ct_pack": "weight_packed", 
 
 def pack_codes(spec: W4Spec, codes: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """The code tensor (``CODE_TENSOR[spec.layout]``) exactly as on disk, from codes ``[N, K]`` (int4 / E2M1
-    codes 0..15, or int8 values). Packs ``chunk`` rows or columns at a time (pack_nibbles works in int64)."""
+    codes 0..15, or int8 values). Packs ``chunk`` rows or columns at a time (bounded int32 temporaries)."""
     n, k = codes.shape
     L = spec.layout
     if L == "gptq":     # [K/8, N], nibbles along K
