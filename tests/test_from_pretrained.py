@@ -236,3 +236,15 @@ def test_ignored_layers_and_quantized_lm_head(tmp_path, tiny_llama, fmt):
     x = _tokens()
     with torch.no_grad():
         assert _rel(model(x).logits, twin(x).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "modelopt-nvfp4"])
+def test_torch_compile_fullgraph(written, fmt):
+    """The ops have fake implementations, so a QuantLinear compiles into one graph (no breaks) and gives the same
+    numbers as eager."""
+    model = AutoModelForCausalLM.from_pretrained(written(fmt, {}).path, dtype=torch.float32)
+    q = model.model.layers[0].mlp.up_proj
+    h = torch.randn(3, q.in_features, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(q, fullgraph=True)(h), q(h))
