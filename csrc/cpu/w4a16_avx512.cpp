@@ -27,8 +27,8 @@ __m512 f32_lut(int mode) {
 //   v2: bytes 16..31 low nibbles = columns 8..15,  v3: bytes 16..31 high nibbles = columns 24..31;
 // the activation pair (x[k], x[k+1]) is broadcast as 64 bits, fp32 FMA. (On the project machine, an AVX-512
 // Xeon VM, fp32 FMA has 4x the instruction throughput of vdpbf16ps - measured 0.24 vs 1.0 ns per instruction -
-// so fp32 FMA with a vpermps LUT beats a bf16-dot formulation.) Group partial sums are scaled once per group; the pair lanes are folded
-// at the end.
+// so fp32 FMA with a vpermps LUT beats a bf16-dot formulation.) Group partial sums are scaled once per group;
+// the pair lanes are folded at the end.
 template <int MR, int MODE>
 void panel_rows(const W4Gemm& g, const uint8_t* q, const float* x, int64_t ldx, const float* xsum, int64_t p,
                 const __m512 lut, float* res) {

@@ -103,7 +103,8 @@ int dt_code(at::ScalarType t) {
 }
 
 // Largest M that takes the fused path (above it: dequantize N-chunks and at::linear).
-// Measured on the project machine (the AVX-512 Xeon VM, 1 thread CPU time, K=N=4096, bf16 x, g128; box heavily loaded):
+// Measured on the project machine (the AVX-512 Xeon VM, 1 thread CPU time, K=N=4096, bf16 x, g128; box heavily
+// loaded):
 //   M      8     16     32     64    256
 //   fused  3.9   6.4   12.8   27.3  110.5 ms
 //   deq+lin 15.6 10.5  14.4   11.4   31.4 ms   (bf16 dense F.linear: 4.1 4.1 5.1 7.4 29.3 ms)
@@ -213,23 +214,20 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
   if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m(g)))) {
+    at::Tensor bf;
+    if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     if (mode == W4_NVFP4 && M <= 8) {
       at::Tensor xs2 = at::empty({K * 16}, x.options().dtype(at::kBFloat16));
-      w4a16_amx_pack_a_stacked(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
-                               reinterpret_cast<uint16_t*>(xs2.data_ptr()));
-      at::Tensor bf;
-      if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
-      const uint16_t* xp2 = reinterpret_cast<const uint16_t*>(xs2.data_ptr());
+      uint16_t* xp2 = reinterpret_cast<uint16_t*>(xs2.data_ptr());
+      w4a16_amx_pack_a_stacked(xs, M, K, xp2);
       at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_amx_nvfp4_stacked(g, xp2, M, p0, p1); });
       return y;
     }
     const int64_t MB = (M + 15) / 16;
     at::Tensor xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
-    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     uint16_t* xap = reinterpret_cast<uint16_t*>(xa.data_ptr());
     at::parallel_for(0, MB, 1, [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a(xs, K, M, K, xap, b0, b1); });
-    at::Tensor bf;
-    if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
     std::vector<float> xsum;
     if (mode == W4_ASYM && w4a16_amx_raw_ok(g, M))
       xsum = group_sums(M, K, gs, [&](int64_t i) { return bf16_bits_to_f32(xs[i]); });

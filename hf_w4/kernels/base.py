@@ -90,7 +90,8 @@ class Kernel:
     CAN_UNPACK_CODES: bool = False
 
     def unpack_codes(self, layer: torch.nn.Module) -> torch.Tensor:
-        """The weight codes ``[N, K]`` (uint8 0..15, original column order) back from this kernel's buffers."""
+        """The weight codes ``[N, K]`` back from this kernel's buffers, in the original column order and as
+        :func:`~hf_w4.layouts.pack` takes them (int4 / E2M1 codes 0..15, or int8 values)."""
         raise NotImplementedError(f"{self.NAME} cannot give the weight codes back")
 
     def __repr__(self) -> str:
