@@ -23,7 +23,7 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # (asymmetric int4 only, else an empty tensor). gemm: isa "" = auto (env HF_W4_ISA caps it),
 # "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear,
 # 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to auto). Auto
-# uses AMX for bf16 x when available (HF_W4_AMX=0 disables): int4 with groups of a multiple of 32 from M = 1,
+# uses AMX for bf16 x when available (HF_W4_AMX=0 disables): int4 with groups of a multiple of 32 from M = 2,
 # NVFP4 from M = 4, other groups from M = 6 (measured table in csrc/cpu/w4a16_torch.cpp). The AWQ repack
 # uses AVX2 byte shuffles.
 lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "

@@ -151,11 +151,15 @@ bool amx_enabled() {
 //   nvfp4 AMX stacked      0.89/1.08  0.87/1.03  0.94/1.11  0.89/1.08   (M=8: 1.15/1.25; raw 8-row tiles 1.36/1.49)
 // NVFP4 with M > 8 takes the scale-folding AMX kernel (amx_impl) rather than 16-k steps of raw codes with 8-row B
 // tiles: M=16 1.66-1.75 vs 1.88-1.96 ms, M=32 2.53-2.76 vs 3.3 ms.
-// -> int4 with groups of a multiple of 32: AMX from M = 1; NVFP4: from M = 4; the rest (int4 with other groups:
+// With the weight stream prefetched 8 KiB ahead (kW4PrefetchBytes), int4 M=1 is faster on the fused kernel
+// (medians of 6 interleaved rounds, ms; fused / AMX raw / torch int4pack / read floor):
+//   4096x11008  1.486 / 1.649 / 1.927 / 1.274     11008x4096  1.413 / 1.526 / 1.782 / 1.207
+//   4096x4096   0.526 / 0.547 / 0.680 / 0.457     (M=2, 4096x11008: 1.764 / 1.638; M=3: 2.001 / 1.690)
+// -> int4 with groups of a multiple of 32: AMX from M = 2; NVFP4: from M = 4; the rest (int4 with other groups:
 // scales folded into the decode) from M = 6.
 int64_t amx_min_m(const W4Gemm& g) {
   if (g.mode == W4_NVFP4) return 4;
-  return w4a16_amx_raw_ok(g, 1) ? 1 : 6;
+  return w4a16_amx_raw_ok(g, 1) ? 2 : 6;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads

@@ -6,10 +6,11 @@ order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), p
 fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
 permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
 (AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: on CPUs with AMX-BF16 and bf16
-activations, AMX tiles at every M for int4 (code values straight into the tiles, scales on the accumulators, for
-M <= 32; panels decoded once with the scales folded in for larger M); elsewhere a fused
-dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M
-(crossovers measured in csrc/cpu/w4a16_torch.cpp).
+activations, AMX tiles from M = 2 for int4 (code values straight into the tiles, scales on the accumulators, for
+M <= 32; panels decoded once with the scales folded in for larger M) and from M = 4 for NVFP4 (two 16-k blocks
+stacked per tile product up to M = 8); otherwise a fused dequantize-in-registers fp32-FMA kernel for small M
+(M = 1 included: it streams the weights faster) and dequantize-to-bf16 + oneDNN GEMM for large M (crossovers
+measured in csrc/cpu/w4a16_torch.cpp).
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ class CpuW4A16Kernel(Kernel):
     DEVICES = ("cpu",)
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
-    DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: AMX-BF16 tiles at every M on Intel (bf16 activations); "
-                   "fused AVX-512 / AVX2 / portable decode for small M, dequantize + bf16 GEMM for large M")
+    DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: AMX-BF16 tiles on Intel for bf16 activations from M = 2 "
+                   "(int4) / 4 (NVFP4); fused AVX-512 / AVX2 / portable decode for small M, dequantize + bf16 GEMM "
+                   "for large M")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
