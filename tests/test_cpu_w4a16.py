@@ -6,6 +6,9 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
 * fp16 activations: the output is rounded to fp16: |y - ref| <= 2^-11 * |ref| + 2e-6 * A
 * bf16 activations (x exactly bf16): fused path: |y - ref| <= 2^-8 * |ref| + 2e-6 * A (output rounding);
   large-M path (weights rounded to bf16 once, then oneDNN bf16 GEMM): + 2^-8 * A
+* int16-activation path (path 3; auto for bf16 x at small M on AVX-512): x is rounded per block of the group
+  to multiples of a power of two 2^e <= the block's max|x| / 2^14, so |dx| <= 2^-15 * max|x| of its group:
+  + 2^-15 * B with B = (per-group max|x|) @ |W|^T
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ _FLAGS = _cpu_flags()
 ISAS = ["generic"]
 if {"avx2", "fma", "f16c"} <= _FLAGS:
     ISAS.append("avx2")
-if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _FLAGS:
+if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= _FLAGS:
     ISAS.append("avx512")
 
 # (layout, sym, act_order, zero_plus_one)
@@ -93,7 +96,7 @@ def prep(qw):
     return q, s, z, perm
 
 
-def check(y, x, W, bias, path_large, what):
+def check(y, x, W, bias, path_large, what, i16_group=None):
     xf = x.float()
     ref = F.linear(xf, W, None if bias is None else bias.float())
     A = F.linear(xf.abs(), W.abs()) + (0 if bias is None else bias.float().abs())
@@ -105,6 +108,10 @@ def check(y, x, W, bias, path_large, what):
         bud = 2.0 ** -11 * ref.abs() + 2e-6 * A + (2.0 ** -8 * A if path_large else 0)
     else:
         bud = 2.0 ** -8 * ref.abs() + 2e-6 * A + (2.0 ** -8 * A if path_large else 0)
+    if i16_group:  # the int16-activation path may have run
+        m, k = xf.shape
+        gmax = xf.abs().reshape(m, k // i16_group, i16_group).amax(-1).repeat_interleave(i16_group, 1)
+        bud = bud + 2.0 ** -15 * F.linear(gmax, W.abs())
     bad = (yf - ref).abs() > bud + 1e-30
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} elements over budget; max excess "
                                  f"{float(((yf - ref).abs() - bud).max()):.3g}")
@@ -127,6 +134,10 @@ def _cases():
     return cases
 
 
+def _group(qw, k):
+    return 16 if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
+
+
 @pytest.mark.parametrize("layout,sym,ao,zp1,n,k,gs,seed", _cases())
 def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
     spec, qw = make_qweight(layout, n, k, gs, sym, ao, zp1, seed)
@@ -140,13 +151,15 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(M, k, generator=gen).to(dt)
                 bias = bias_f.to(dt) if rnd.random() < 0.5 else None
-                for path in (-1, 0, 1, 2) if M in (3, 17) else (-1,):
+                for path in (-1, 0, 1, 2, 3) if M in (3, 17) else (-1,):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                            global_scale=qw.global_scale or 1.0, isa=isa, path=path)
                     # auto may pick the large-M path above M=4; the AMX path (2; bf16 x) rounds the scaled
                     # weights to bf16 like the large-M path, so it gets the same budget
-                    large = path in (1, 2) or (path == -1 and M > 4)
-                    check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}")
+                    large = path in (1, 2) or (path in (-1, 3) and M > 4)  # 3 without AVX-512 = auto
+                    i16 = isa == "avx512" and (path == 3 or (path == -1 and dt == torch.bfloat16))
+                    check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}",
+                          i16_group=_group(qw, k) if i16 else None)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -268,7 +281,8 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
                 check(y, x, W, b, True, f"amx {layout} M={M} isa={isa} bias={b is not None}")
                 y2 = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
                                         global_scale=qw.global_scale or 1.0, isa=isa, path=-1)
-                check(y2, x, W, b, M > 4, f"auto {layout} M={M} isa={isa}")
+                check(y2, x, W, b, M > 4, f"auto {layout} M={M} isa={isa}",
+                      i16_group=_group(qw, k) if isa == "avx512" else None)
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
@@ -289,3 +303,45 @@ def test_amx_panel_blocks(threads, k):
     finally:
         torch.set_num_threads(old)
     check(y, x, W, None, True, f"amx blocks threads={threads} K={k}")
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="the int16-activation path needs AVX-512")
+@pytest.mark.parametrize("layout,sym", [("gptq", True), ("awq", False), ("modelopt_nvfp4", True)])
+def test_int16_path_exact_on_grid_and_nonfinite(layout, sym):
+    """path 3 (int16 activations, vpdpwssd on the raw codes): (a) x on a grid of 2^-7 converts exactly, so with fp32
+    output the result meets the fp32 budget (no int16 term); (b) inf / nan in x make the call fall back to the fp32
+    kernel, bit for bit."""
+    n, k = 96, 512
+    spec, qw = make_qweight(layout, n, k, 128, sym=sym, seed=21)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(22)
+    for M in (1, 3, 4, 6):
+        x = torch.randint(-256, 257, (M, k), generator=gen).float() / 128
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
+                               global_scale=qw.global_scale or 1.0, isa="avx512", path=3)
+        check(y, x, W, None, False, f"grid {layout} M={M}")
+        xb = x.to(torch.bfloat16)
+        xb[M - 1, 7] = float("inf")
+        xb[0, 100] = float("nan")
+        y3 = ops.cpu_w4a16_gemm(xb, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
+                                global_scale=qw.global_scale or 1.0, isa="avx512", path=3)
+        y0 = ops.cpu_w4a16_gemm(xb, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
+                                global_scale=qw.global_scale or 1.0, isa="avx512", path=0)
+        assert torch.equal(y3.isnan(), y0.isnan()) and torch.equal(y3.nan_to_num(), y0.nan_to_num()), layout
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="the int16-activation path needs AVX-512")
+def test_int16_path_int32_headroom():
+    """Channel-wise K = 8192 runs in 4096-k blocks; every code 15 (w = 7 s) and every |x| at the largest bf16
+    significand (D = 32640) drive each int32 lane to 2048 pairs x 2 x 32640 x 15 = 2.005e9 < 2^31 - exact."""
+    n, k = 32, 8192
+    spec = W4Spec(method="test", layout="ct_pack", weight_type="int4", bits=4, group_size=-1, sym=True)
+    t = layouts.pack(spec, torch.full((n, k), 15), torch.full((n, 1), 0.01), scale_dtype=torch.float32)
+    qw = layouts.to_qweight(spec, t, n, k)
+    q, s, z, _ = prep(qw)
+    for sign in (1.0, -1.0):
+        x = torch.full((2, k), sign * 1.9921875, dtype=torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", isa="avx512", path=3)
+        expect = sign * 1.9921875 * 7 * 0.01 * k
+        assert torch.allclose(y.float(), torch.full((2, n), expect), rtol=2 ** -8), (sign, y[0, :4], expect)

@@ -12,13 +12,15 @@ inline const char* isa_name(CpuIsa i) {
   return i == CpuIsa::avx512 ? "avx512" : i == CpuIsa::avx2 ? "avx2" : "generic";
 }
 
-// best ISA the CPU supports for our kernels. "avx512" means F+BW+VL+BF16 (vdpbf16ps);
+// best ISA the CPU supports for our kernels. "avx512" means F+BW+VL+BF16+VNNI (vcvtne2ps2bf16, vpdpwssd; every
+// CPU with AVX512-BF16 has VNNI);
 // "avx2" means AVX2+FMA+F16C.
 inline CpuIsa cpu_best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+      __builtin_cpu_supports("avx512vnni"))
     return CpuIsa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return CpuIsa::avx2;

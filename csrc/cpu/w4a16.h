@@ -66,6 +66,16 @@ void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* x
 // 3.7 ns latency vs 0.24 / 1.9 ns for vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 
+// avx512 + VNNI, 16-bit activations: x quantized per (row, block of ag k) to int16 with a power-of-two scale
+// (w4a16_quant_x16_avx512: xq int16 [M][K], xs fp32 [M][K/ag] = scale, xd int32 [M][K/ag] = sum of the block's
+// int16 values; returns false if x holds inf / nan). ag divides the group size (NVFP4: 16) and is at most 4096, so
+// the int32 sums cannot overflow. Exact for every element within 2^7 (bf16) / 2^4 (fp16) of its block's max;
+// smaller ones are off by at most 2^-16 of that max.
+bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
+                            int32_t* xd);
+void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
+                            int64_t ag, int64_t p0, int64_t p1);
+
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
 // xa bf16 [ceil(M/16)][K/32][16 rows][32], rows >= M zero (16-row blocks [mb0, mb1)), so that every A tile load
 // reads 1 KiB of contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB).

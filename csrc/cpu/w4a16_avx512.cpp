@@ -1,9 +1,11 @@
 // hf_w4 W4A16: AVX-512 (F/BW/VL + BF16) kernels. Raw pointers only, no torch headers; only called
 // after a run-time check (isa.h), so nothing here leaks into code run on other CPUs.
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,bmi2")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -139,6 +141,107 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
   }
 }
 
+// ---- 16-bit integer activations (w4a16_fused_i16_avx512): the codes stay integers and meet the activations in
+// vpdpwssd (2 x int16 products summed into int32 lanes), so one k-pair row of 32 bytes costs a widening load,
+// one and / shift (int4) or two vpermw (NVFP4) and two dot instructions - about half the vector uops of the fp32
+// LUT + FMA formulation above, whose vpermps / vpmovzxbd traffic on port 5 is what bounds M=1.
+// Zero-extended to 16-bit lanes, word i of a k-pair row is byte i = (column i/2, k parity i%2): each 32-bit lane
+// is one column's pair (k, k+1), which is exactly vpdpwssd's pairing, so no shuffles are needed: the low nibbles
+// give columns 0..15, the high nibbles columns 16..31. Per activation block (ag k) the int32 sums are converted
+// once and scaled by weight scale x activation scale.
+template <int MR, int MODE>
+void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_t ldx, const float* xs,
+                    const int32_t* xd, int64_t ag, int64_t p, float* res) {
+  const int64_t nab = g.K / ag, bpg = g.gs / ag, pairs = ag / 2;
+  const __m512i nib = _mm512_set1_epi16(15);
+  alignas(64) int16_t lt[32];
+  for (int c = 0; c < 32; ++c) lt[c] = static_cast<int16_t>(2.0f * kE2M1[c & 15]);  // doubled e2m1: integers
+  const __m512i lut = _mm512_load_si512(lt);
+  __m512 o[MR][2];
+  for (int m = 0; m < MR; ++m) o[m][0] = o[m][1] = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, z0 = s0, z1 = s0;
+  for (int64_t b = 0; b < nab; ++b) {
+    if (b % bpg == 0) {
+      const int64_t so = (p * g.G + b / bpg) * W4_NP;
+      load_scales<MODE>(g, so, s0, s1);
+      if (MODE == W4_NVFP4) {  // the LUT holds 2 x e2m1
+        s0 = _mm512_mul_ps(s0, _mm512_set1_ps(0.5f));
+        s1 = _mm512_mul_ps(s1, _mm512_set1_ps(0.5f));
+      }
+      if (MODE == W4_ASYM) { z0 = _mm512_loadu_ps(g.zs + so); z1 = _mm512_loadu_ps(g.zs + so + 16); }
+    }
+    __m512i a[MR][2];
+    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = _mm512_setzero_si512();
+    const uint8_t* qq = q + b * pairs * W4_NP;
+    const int16_t* xb = xq + b * ag;
+    for (int64_t j = 0; j < pairs; j += 2) {  // pairs is even: one 64-byte line per iteration
+      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int64_t jj = j; jj < j + 2; ++jj) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + jj * W4_NP)));
+        __m512i wl, wh;
+        if (MODE == W4_NVFP4) {  // vpermw reads index bits 4:0; the LUT repeats, so no mask for the low nibble
+          wl = _mm512_permutexvar_epi16(w, lut);
+          wh = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+        } else {
+          wl = _mm512_and_si512(w, nib);
+          wh = _mm512_srli_epi16(w, 4);
+        }
+        for (int m = 0; m < MR; ++m) {
+          int32_t xp;
+          std::memcpy(&xp, xb + m * ldx + 2 * jj, 4);
+          const __m512i xv = _mm512_set1_epi32(xp);
+          a[m][0] = _mm512_dpwssd_epi32(a[m][0], wl, xv);
+          a[m][1] = _mm512_dpwssd_epi32(a[m][1], wh, xv);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = m * nab + b;
+      if (MODE == W4_SYM) {  // codes carry +8: subtract 8 * sum(D) exactly, in int32
+        const __m512i c8 = _mm512_set1_epi32(8 * xd[i]);
+        a[m][0] = _mm512_sub_epi32(a[m][0], c8);
+        a[m][1] = _mm512_sub_epi32(a[m][1], c8);
+      }
+      const __m512 xsv = _mm512_set1_ps(xs[i]);
+      o[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, xsv), o[m][0]);
+      o[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, xsv), o[m][1]);
+      if (MODE == W4_ASYM) {  // - zero*scale * sum(x)
+        const __m512 xsum = _mm512_set1_ps(xs[i] * static_cast<float>(xd[i]));
+        o[m][0] = _mm512_fnmadd_ps(z0, xsum, o[m][0]);
+        o[m][1] = _mm512_fnmadd_ps(z1, xsum, o[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(res + m * W4_NP, o[m][0]);
+    _mm512_storeu_ps(res + m * W4_NP + 16, o[m][1]);
+  }
+}
+
+template <int MODE>
+void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M, int64_t ag,
+                    int64_t p0, int64_t p1) {
+  const int64_t K = g.K, nab = K / ag;
+  alignas(64) float res[4 * W4_NP];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
+      const int16_t* x0 = xq + r0 * K;
+      const float* s0 = xs + r0 * nab;
+      const int32_t* d0 = xd + r0 * nab;
+      switch (mr) {
+        case 1: panel_rows_i16<1, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
+        case 2: panel_rows_i16<2, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
+        case 3: panel_rows_i16<3, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
+        default: panel_rows_i16<4, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
+      }
+      for (int64_t m = 0; m < mr; ++m) w4a16_store_row(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
+    }
+  }
+}
+
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (k-rows, columns contiguous), scales folded
 template <int MODE>
 void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
@@ -218,6 +321,51 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
   if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
   else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
   else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+}
+
+void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
+                            int64_t ag, int64_t p0, int64_t p1) {
+  if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1);
+  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1);
+  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1);
+}
+
+bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
+                            int32_t* xd) {
+  const int64_t nab = K / ag;
+  auto load = [&](int64_t i, __mmask16 mk) -> __m512 {
+    if (dtype == DT_BF16) {
+      const __m256i h = _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(x) + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == DT_F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(x) + i));
+    return _mm512_maskz_loadu_ps(mk, static_cast<const float*>(x) + i);
+  };
+  auto mask = [](int64_t left) -> __mmask16 { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nab; ++b) {
+      const int64_t i0 = m * K + b * ag;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t i = 0; i < ag; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load(i0 + i, mask(ag - i))));
+      const float amax = _mm512_reduce_max_ps(mx);
+      uint32_t bits;
+      std::memcpy(&bits, &amax, 4);
+      if ((bits >> 23) >= 255) return false;  // inf / nan: the caller takes the float path
+      // power-of-two scale 2^(e - 14) with e = exponent of the block max: |D| < 2^15, and every element within
+      // 2^7 (bf16) / 2^4 (fp16) of the max converts exactly
+      const int e = std::max(static_cast<int>(bits >> 23) - 127, -100);
+      const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, 14 - e));
+      xs[m * nab + b] = std::ldexp(1.0f, e - 14);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t i = 0; i < ag; i += 16) {
+        const __mmask16 mk = mask(ag - i);
+        const __m512i d = _mm512_cvtps_epi32(_mm512_mul_ps(load(i0 + i, mk), inv));  // round to nearest even
+        sum = _mm512_add_epi32(sum, d);
+        _mm256_mask_storeu_epi16(xq + i0 + i, mk, _mm512_cvtsepi32_epi16(d));
+      }
+      xd[m * nab + b] = _mm512_reduce_add_epi32(sum);
+    }
+  return true;
 }
 
 void w4a16_dequant_avx512(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {

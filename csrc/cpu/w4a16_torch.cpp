@@ -162,6 +162,25 @@ int64_t amx_min_m(const W4Gemm& g) {
   return w4a16_amx_raw_ok(g, 1) ? 2 : 6;
 }
 
+// Activation block of the int16 path (w4a16_fused_i16_avx512): the largest divisor of the group size that is a
+// multiple of 4 and at most 4096 (NVFP4: 16); 0 if there is none >= 16 (then the path is not used).
+int64_t i16_block(const W4Gemm& g) {
+  if (g.mode == W4_NVFP4) return 16;
+  for (int64_t d = std::min<int64_t>(g.gs, 4096); d >= 16; --d)
+    if (g.gs % d == 0 && d % 4 == 0) return d;
+  return 0;
+}
+// Largest M that takes the int16 path in the automatic choice (bf16 activations only: fp32 x keeps the exact fp32
+// kernel, fp16 x - 11 significant bits - would lose bits below 2^-4 of a block's max). Measured on the 2-vCPU AMX
+// Xeon VM (2 threads, cold weights, g128, medians of 7 interleaved rounds, ms; int16 / fused fp32 / AMX):
+//   int4  4096x4096    M=1 0.525 / 0.586 / 0.663   M=2 0.531 / 0.692 / 0.652   M=4 0.616 / 0.968 / 0.711
+//                      M=6 1.035 / - / 0.804       M=8 1.195 / - / 0.872       M=16 2.306 / - / 1.003
+//   int4  11008x4096   M=1 1.335 / 1.468 / 1.566   M=2 1.323 / 1.673 / 1.630   M=4 1.597 / 2.510 / 1.807
+//   nvfp4 4096x4096    M=1 0.648 / 0.743 / 0.988   M=4 0.887 / 1.137 / 0.992   M=8 1.867 / 2.586 / 1.241
+//   (read floor 0.51 / 1.35 ms; torch int4pack M=1 0.765 / 1.903 ms)
+// -> up to M = 4 where AMX takes over; without AMX it replaces the fused fp32 kernel (~1.4x faster at M = 8-16).
+int64_t i16_max_m(bool amx) { return amx ? 4 : 32; }
+
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
 // element i of the row-major [M][K] activations as fp32
 template <typename At>
@@ -213,10 +232,29 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   g.gscale = static_cast<float>(global_scale);
   g.out = y.data_ptr(); g.ldo = n; g.out_dtype = dt_code(dt);
 
-  // path 2 = AMX-BF16 tiles (bf16 weights with the scales folded in, fp32 accumulation); falls back to the
-  // automatic choice when the CPU / OS / shape does not allow it. HF_W4_AMX=0 disables it in the auto choice.
+  // path 3 = 16-bit integer activations, vpdpwssd on the raw codes (AVX-512 VNNI)
+  const int64_t ag = isa == CpuIsa::avx512 ? i16_block(g) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
+  if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(amx_ok)))) {
+    const int64_t nab = K / ag;
+    at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
+    at::Tensor xs = at::empty({M, nab}, x.options().dtype(at::kFloat));
+    at::Tensor xd = at::empty({M, nab}, x.options().dtype(at::kInt));
+    int16_t* xqp = xq.data_ptr<int16_t>();
+    float* xsp = xs.data_ptr<float>();
+    int32_t* xdp = xd.data_ptr<int32_t>();
+    if (w4a16_quant_x16_avx512(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)) {
+      at::Tensor bf;
+      if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_i16_avx512(g, xqp, xsp, xdp, M, ag, p0, p1); });
+      return y;
+    }
+    path = 0;  // inf / nan in x: the fp32 kernel propagates them
+  }
+  if (path == 3) path = -1;
+  // path 2 = AMX-BF16 tiles (bf16 weights with the scales folded in, fp32 accumulation); falls back to the
+  // automatic choice when the CPU / OS / shape does not allow it. HF_W4_AMX=0 disables it in the auto choice.
   if (amx_ok && (path == 2 || (path < 0 && M >= amx_min_m(g)))) {
     at::Tensor bf;
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
