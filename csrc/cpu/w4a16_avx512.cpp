@@ -160,24 +160,27 @@ void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_
   __m512 o[MR][2];
   for (int m = 0; m < MR; ++m) o[m][0] = o[m][1] = _mm512_setzero_ps();
   __m512 s0 = _mm512_setzero_ps(), s1 = s0, z0 = s0, z1 = s0;
-  for (int64_t b = 0; b < nab; ++b) {
-    if (b % bpg == 0) {
-      const int64_t so = (p * g.G + b / bpg) * W4_NP;
-      load_scales<MODE>(g, so, s0, s1);
-      if (MODE == W4_NVFP4) {  // the LUT holds 2 x e2m1
-        s0 = _mm512_mul_ps(s0, _mm512_set1_ps(0.5f));
-        s1 = _mm512_mul_ps(s1, _mm512_set1_ps(0.5f));
-      }
+  for (int64_t b = 0, gi = 0, left = 0; b < nab; ++b) {
+    if (left == 0) {  // a new weight group (no division per block: NVFP4 has one per 16 k)
+      const int64_t so = (p * g.G + gi++) * W4_NP;
+      left = bpg;
+      if (MODE == W4_NVFP4) fp8x32_to_ps(static_cast<const uint8_t*>(g.scales) + so, 0x1p7f, s0, s1);  // 2^8 / 2 (the LUT holds 2 x e2m1)
+      else load_scales<MODE>(g, so, s0, s1);
       if (MODE == W4_ASYM) { z0 = _mm512_loadu_ps(g.zs + so); z1 = _mm512_loadu_ps(g.zs + so + 16); }
     }
-    __m512i a[MR][2];
-    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = _mm512_setzero_si512();
+    --left;
+    // MR <= 2: even and odd k-pairs in separate accumulators (the vpdpwssd chains are latency bound otherwise)
+    constexpr int U = MR <= 2 ? 2 : 1;
+    __m512i a[U][MR][2];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MR; ++m) a[u][m][0] = a[u][m][1] = _mm512_setzero_si512();
     const uint8_t* qq = q + b * pairs * W4_NP;
     const int16_t* xb = xq + b * ag;
     for (int64_t j = 0; j < pairs; j += 2) {  // pairs is even: one 64-byte line per iteration
       _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
 #pragma GCC unroll 2
-      for (int64_t jj = j; jj < j + 2; ++jj) {
+      for (int u = 0; u < 2; ++u) {
+        const int64_t jj = j + u;
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + jj * W4_NP)));
         __m512i wl, wh;
         if (MODE == W4_NVFP4) {  // vpermw reads index bits 4:0; the LUT repeats, so no mask for the low nibble
@@ -191,21 +194,28 @@ void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_
           int32_t xp;
           std::memcpy(&xp, xb + m * ldx + 2 * jj, 4);
           const __m512i xv = _mm512_set1_epi32(xp);
-          a[m][0] = _mm512_dpwssd_epi32(a[m][0], wl, xv);
-          a[m][1] = _mm512_dpwssd_epi32(a[m][1], wh, xv);
+          __m512i* am = a[U == 2 ? u : 0][m];
+          am[0] = _mm512_dpwssd_epi32(am[0], wl, xv);
+          am[1] = _mm512_dpwssd_epi32(am[1], wh, xv);
         }
       }
     }
+    if (U == 2)
+      for (int m = 0; m < MR; ++m) {
+        a[0][m][0] = _mm512_add_epi32(a[0][m][0], a[U - 1][m][0]);
+        a[0][m][1] = _mm512_add_epi32(a[0][m][1], a[U - 1][m][1]);
+      }
     for (int m = 0; m < MR; ++m) {
+      __m512i* am = a[0][m];
       const int64_t i = m * nab + b;
       if (MODE == W4_SYM) {  // codes carry +8: subtract 8 * sum(D) exactly, in int32
         const __m512i c8 = _mm512_set1_epi32(8 * xd[i]);
-        a[m][0] = _mm512_sub_epi32(a[m][0], c8);
-        a[m][1] = _mm512_sub_epi32(a[m][1], c8);
+        am[0] = _mm512_sub_epi32(am[0], c8);
+        am[1] = _mm512_sub_epi32(am[1], c8);
       }
       const __m512 xsv = _mm512_set1_ps(xs[i]);
-      o[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, xsv), o[m][0]);
-      o[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, xsv), o[m][1]);
+      o[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[0]), _mm512_mul_ps(s0, xsv), o[m][0]);
+      o[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[1]), _mm512_mul_ps(s1, xsv), o[m][1]);
       if (MODE == W4_ASYM) {  // - zero*scale * sum(x)
         const __m512 xsum = _mm512_set1_ps(xs[i] * static_cast<float>(xd[i]));
         o[m][0] = _mm512_fnmadd_ps(z0, xsum, o[m][0]);

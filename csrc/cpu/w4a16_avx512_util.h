@@ -17,6 +17,17 @@ inline __m512 fp8x16_to_ps(const uint8_t* p) {
   return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sgn)), _mm512_set1_ps(0x1p120f));
 }
 
+// 32 fp8-e4m3 bytes -> fp32 x factor / 2^8 in s0 (bytes 0..15), s1 (16..31), through fp16 (e4m3 = fp16 with the
+// exponent bias 8 lower; denormals exact): 10 vector ops instead of 14
+inline void fp8x32_to_ps(const uint8_t* p, float factor, __m512& s0, __m512& s1) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7),
+                                    _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_set1_ps(factor);
+  s0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), f);
+  s1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), f);
+}
+
 // the 32 columns' group scales at offset so of g.scales (fp32, or NVFP4 fp8 bytes) -> columns 0..15, 16..31
 template <int MODE>
 inline void load_scales(const W4Gemm& g, int64_t so, __m512& s0, __m512& s1) {
