@@ -157,7 +157,7 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
                     # auto may pick the large-M path above M=4; the AMX path (2; bf16 x) rounds the scaled
                     # weights to bf16 like the large-M path, so it gets the same budget
                     large = path in (1, 2) or (path in (-1, 3) and M > 4)  # 3 without AVX-512 = auto
-                    i16 = isa == "avx512" and (path == 3 or (path == -1 and dt == torch.bfloat16))
+                    i16 = isa != "generic" and (path == 3 or (path == -1 and dt == torch.bfloat16))
                     check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}",
                           i16_group=_group(qw, k) if i16 else None)
 
@@ -282,7 +282,7 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
                 y2 = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
                                         global_scale=qw.global_scale or 1.0, isa=isa, path=-1)
                 check(y2, x, W, b, M > 4, f"auto {layout} M={M} isa={isa}",
-                      i16_group=_group(qw, k) if isa == "avx512" else None)
+                      i16_group=_group(qw, k) if isa != "generic" else None)
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
@@ -305,10 +305,10 @@ def test_amx_panel_blocks(threads, k):
     check(y, x, W, None, True, f"amx blocks threads={threads} K={k}")
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="the int16-activation path needs AVX-512")
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("layout,sym", [("gptq", True), ("awq", False), ("modelopt_nvfp4", True)])
-def test_int16_path_exact_on_grid_and_nonfinite(layout, sym):
-    """path 3 (int16 activations, vpdpwssd on the raw codes): (a) x on a grid of 2^-7 converts exactly, so with fp32
+def test_int16_path_exact_on_grid_and_nonfinite(layout, sym, isa):
+    """path 3 (int16 activations, vpdpwssd / vpmaddwd on the raw codes): (a) x on a grid of 2^-7 converts exactly, so with fp32
     output the result meets the fp32 budget (no int16 term); (b) inf / nan in x make the call fall back to the fp32
     kernel, bit for bit."""
     n, k = 96, 512
@@ -319,20 +319,20 @@ def test_int16_path_exact_on_grid_and_nonfinite(layout, sym):
     for M in (1, 3, 4, 6):
         x = torch.randint(-256, 257, (M, k), generator=gen).float() / 128
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
-                               global_scale=qw.global_scale or 1.0, isa="avx512", path=3)
-        check(y, x, W, None, False, f"grid {layout} M={M}")
+                               global_scale=qw.global_scale or 1.0, isa=isa, path=3)
+        check(y, x, W, None, False, f"grid {layout} M={M} {isa}")
         xb = x.to(torch.bfloat16)
         xb[M - 1, 7] = float("inf")
         xb[0, 100] = float("nan")
         y3 = ops.cpu_w4a16_gemm(xb, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
-                                global_scale=qw.global_scale or 1.0, isa="avx512", path=3)
+                                global_scale=qw.global_scale or 1.0, isa=isa, path=3)
         y0 = ops.cpu_w4a16_gemm(xb, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
-                                global_scale=qw.global_scale or 1.0, isa="avx512", path=0)
+                                global_scale=qw.global_scale or 1.0, isa=isa, path=0)
         assert torch.equal(y3.isnan(), y0.isnan()) and torch.equal(y3.nan_to_num(), y0.nan_to_num()), layout
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="the int16-activation path needs AVX-512")
-def test_int16_path_int32_headroom():
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+def test_int16_path_int32_headroom(isa):
     """Channel-wise K = 8192 runs in 4096-k blocks; every code 15 (w = 7 s) and every |x| at the largest bf16
     significand (D = 32640) drive each int32 lane to 2048 pairs x 2 x 32640 x 15 = 2.005e9 < 2^31 - exact."""
     n, k = 32, 8192
@@ -342,6 +342,6 @@ def test_int16_path_int32_headroom():
     q, s, z, _ = prep(qw)
     for sign in (1.0, -1.0):
         x = torch.full((2, k), sign * 1.9921875, dtype=torch.bfloat16)
-        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", isa="avx512", path=3)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", isa=isa, path=3)
         expect = sign * 1.9921875 * 7 * 0.01 * k
         assert torch.allclose(y.float(), torch.full((2, n), expect), rtol=2 ** -8), (sign, y[0, :4], expect)

@@ -75,6 +75,11 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
                             int32_t* xd);
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);
+// the same in portable C++ (any ISA) and the AVX2 kernel (vpmaddwd + vpaddd)
+bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
+                             int32_t* xd);
+void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
+                          int64_t ag, int64_t p0, int64_t p1);
 
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
 // xa bf16 [ceil(M/16)][K/32][16 rows][32], rows >= M zero (16-row blocks [mb0, mb1)), so that every A tile load

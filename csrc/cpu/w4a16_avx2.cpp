@@ -139,6 +139,94 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
   }
 }
 
+// ---- 16-bit integer activations (the AVX2 counterpart of w4a16_fused_i16_avx512; see there). A k-pair row's
+// 16-byte half c zero-extended to 16-bit lanes gives (column 8c + l, parity) pairs in each 32-bit lane l: low
+// nibbles columns 8c..8c+7, high nibbles 16+8c..; vpmaddwd + vpaddd accumulate the pairs. NVFP4: the nibbles go
+// through a vpshufb LUT of 2 x e2m1 (int8) and are sign-extended.
+template <int MR, int MODE>
+void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_t ldx, const float* xs,
+                    const int32_t* xd, int64_t ag, int64_t p, float* res) {
+  const int64_t nab = g.K / ag, bpg = g.gs / ag, pairs = ag / 2;
+  const __m256i nib16 = _mm256_set1_epi16(15);
+  const __m128i nib8 = _mm_set1_epi8(15);
+  alignas(16) int8_t lt[16];
+  for (int c = 0; c < 16; ++c) lt[c] = static_cast<int8_t>(2.0f * kE2M1[c]);
+  const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(lt));
+  __m256 o[MR][4];  // [half c][low / high nibble]: columns 8c.., 16+8c..
+  for (int m = 0; m < MR; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = _mm256_setzero_ps();
+  alignas(32) float sc[32], zc[32];
+  for (int64_t b = 0, gi = 0, left = 0; b < nab; ++b) {
+    if (left == 0) {
+      const int64_t so = (p * g.G + gi++) * W4_NP;
+      left = bpg;
+      if (MODE == W4_NVFP4) {
+        const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + so;
+        for (int i = 0; i < 4; ++i)
+          _mm256_store_ps(sc + 8 * i, _mm256_mul_ps(fp8x8_to_ps(sp + 8 * i), _mm256_set1_ps(0.5f)));
+      } else {
+        std::memcpy(sc, static_cast<const float*>(g.scales) + so, sizeof(sc));
+      }
+      if (MODE == W4_ASYM) std::memcpy(zc, g.zs + so, sizeof(zc));
+    }
+    --left;
+    __m256i a[MR][4];
+    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_si256();
+    const uint8_t* qq = q + b * pairs * W4_NP;
+    const int16_t* xb = xq + b * ag;
+    for (int64_t j = 0; j < pairs; ++j) {
+      if ((j & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+      __m256i w[4];
+      for (int c = 0; c < 2; ++c) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qq + j * W4_NP + 16 * c));
+        if (MODE == W4_NVFP4) {
+          w[2 * c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(bytes, nib8)));
+          w[2 * c + 1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), nib8)));
+        } else {
+          const __m256i v = _mm256_cvtepu8_epi16(bytes);
+          w[2 * c] = _mm256_and_si256(v, nib16);
+          w[2 * c + 1] = _mm256_srli_epi16(v, 4);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t xp;
+        std::memcpy(&xp, xb + m * ldx + 2 * j, 4);
+        const __m256i xv = _mm256_set1_epi32(xp);
+        for (int i = 0; i < 4; ++i) a[m][i] = _mm256_add_epi32(a[m][i], _mm256_madd_epi16(w[i], xv));
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = m * nab + b;
+      const __m256 xsv = _mm256_set1_ps(xs[i]);
+      const __m256 xsum = _mm256_set1_ps(xs[i] * static_cast<float>(xd[i]));
+      for (int t = 0; t < 4; ++t) {  // t = 2c + h: columns 16h + 8c ..
+        const int col = 16 * (t & 1) + 8 * (t >> 1);
+        __m256i v = a[m][t];
+        if (MODE == W4_SYM) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * xd[i]));
+        o[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(_mm256_load_ps(sc + col), xsv), o[m][t]);
+        if (MODE == W4_ASYM) o[m][t] = _mm256_fnmadd_ps(_mm256_load_ps(zc + col), xsum, o[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) _mm256_storeu_ps(res + m * W4_NP + 16 * (t & 1) + 8 * (t >> 1), o[m][t]);
+}
+
+template <int MODE>
+void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M, int64_t ag,
+                    int64_t p0, int64_t p1) {
+  const int64_t K = g.K, nab = K / ag;
+  alignas(32) float res[2 * W4_NP];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+    for (int64_t r0 = 0; r0 < M; r0 += 2) {
+      const int64_t mr = M - r0 < 2 ? M - r0 : 2;
+      if (mr == 1) panel_rows_i16<1, MODE>(g, q, xq + r0 * K, K, xs + r0 * nab, xd + r0 * nab, ag, p, res);
+      else panel_rows_i16<2, MODE>(g, q, xq + r0 * K, K, xs + r0 * nab, xd + r0 * nab, ag, p, res);
+      for (int64_t m = 0; m < mr; ++m) w4a16_store_row(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
+    }
+  }
+}
+
 }  // namespace
 
 // xsum [M][G] is required for int4 (sym and asym) on this path
@@ -149,6 +237,13 @@ void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* x
 }
 
 // large-M dequantization on AVX2 machines uses the portable code (it is amortised over M rows)
+void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
+                          int64_t ag, int64_t p0, int64_t p1) {
+  if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1);
+  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1);
+  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1);
+}
+
 void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
   w4a16_dequant_generic(g, dst, dst_dtype, ldd, p0, p1);
 }

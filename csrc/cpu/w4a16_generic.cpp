@@ -1,5 +1,6 @@
 // hf_w4 W4A16: portable C++ parts (repack, reference-speed fused kernel, dequantize, epilogue).
 // Compiled with the baseline flags only; no torch headers.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -52,6 +53,41 @@ void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int
     _Float16* o = static_cast<_Float16*>(g.out) + off;
     for (int64_t i = 0; i < cnt; ++i) o[i] = static_cast<_Float16>(tmp[i]);
   }
+}
+
+bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
+                             int32_t* xd) {
+  const int64_t nab = K / ag;
+  auto at = [&](int64_t i) -> float {
+    if (dtype == DT_BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(x)[i]);
+    if (dtype == DT_F16) return static_cast<float>(static_cast<const _Float16*>(x)[i]);
+    return static_cast<const float*>(x)[i];
+  };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nab; ++b) {
+      const int64_t i0 = m * K + b * ag;
+      uint32_t mx = 0;  // magnitudes compare as integers
+      for (int64_t i = 0; i < ag; ++i) {
+        const float v = at(i0 + i);
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        mx = std::max(mx, u & 0x7fffffffu);
+      }
+      if ((mx >> 23) >= 255) return false;
+      const int e = std::max(static_cast<int>(mx >> 23) - 127, -100);
+      const float inv = std::ldexp(1.0f, 14 - e);
+      xs[m * nab + b] = std::ldexp(1.0f, e - 14);
+      int32_t sum = 0;
+      for (int64_t i = 0; i < ag; ++i) {
+        // round half to even through the 1.5 * 2^23 magic number (|v| < 2^15), saturated like vpmovsdw
+        const float r = (at(i0 + i) * inv + 0x1.8p23f) - 0x1.8p23f;
+        const int32_t d = std::min(32767, std::max(-32768, static_cast<int32_t>(r)));
+        xq[i0 + i] = static_cast<int16_t>(d);
+        sum += d;
+      }
+      xd[m * nab + b] = sum;
+    }
+  return true;
 }
 
 bool w4a16_is_awq_slots(const int slots[8]) {
@@ -259,30 +295,33 @@ void w4a16_dequant_generic(const W4Gemm& g, void* dst, int dst_dtype, int64_t ld
   float lut[16];
   lut_for(g.mode, lut);
   const float* f8 = fp8_table().t;
-  std::vector<float> rowbuf(K);
+  // one k-row of a panel's (up to) 32 columns at a time: the transposed destination is written contiguously
+  // (writing it column by column touched a new cache line per element: ~15x slower)
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
-    for (int c = 0; c < W4_NP; ++c) {
-      const int64_t n = p * W4_NP + c;
-      if (n >= g.N) break;
-      const int half = c >> 4, col = c & 15;
-      for (int64_t gi = 0; gi < G; ++gi) {
+    const int64_t ncol = std::min<int64_t>(W4_NP, g.N - p * W4_NP);
+    const int64_t dcol = (p - p0) * W4_NP;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float s[W4_NP], z[W4_NP];
+      for (int c = 0; c < W4_NP; ++c) {
         const int64_t so = (p * G + gi) * W4_NP + c;
-        const float s = (g.mode == W4_NVFP4 ? f8[static_cast<const uint8_t*>(g.scales)[so]]
-                                            : static_cast<const float*>(g.scales)[so]) * g.gscale;
-        const float z = g.mode == W4_ASYM ? g.zs[so] * g.gscale : 0.0f;
-        for (int64_t k = gi * gs; k < (gi + 1) * gs; ++k) {
-          const uint8_t b = q[(k >> 1) * W4_NP + 2 * col + (k & 1)];
-          rowbuf[k] = lut[half ? (b >> 4) : (b & 15)] * s - z;
-        }
+        s[c] = (g.mode == W4_NVFP4 ? f8[static_cast<const uint8_t*>(g.scales)[so]]
+                                   : static_cast<const float*>(g.scales)[so]) * g.gscale;
+        z[c] = g.mode == W4_ASYM ? g.zs[so] * g.gscale : 0.0f;
       }
-      const int64_t dcol = n - p0 * W4_NP;  // transposed destination Wt[k][col]
-      if (dst_dtype == DT_F32) {
-        float* o = static_cast<float*>(dst) + dcol;
-        for (int64_t k = 0; k < K; ++k) o[k * ldd] = rowbuf[k];
-      } else {
-        uint16_t* o = static_cast<uint16_t*>(dst) + dcol;
-        for (int64_t k = 0; k < K; ++k) o[k * ldd] = f32_to_bf16_bits(rowbuf[k]);
+      for (int64_t k = gi * gs; k < (gi + 1) * gs; ++k) {
+        const uint8_t* row = q + (k >> 1) * W4_NP + (k & 1);
+        float v[W4_NP];
+        for (int c = 0; c < W4_NP; ++c) {
+          const uint8_t b = row[2 * (c & 15)];
+          v[c] = lut[c < 16 ? (b & 15) : (b >> 4)] * s[c] - z[c];
+        }
+        if (dst_dtype == DT_F32) {
+          std::memcpy(static_cast<float*>(dst) + k * ldd + dcol, v, ncol * sizeof(float));
+        } else {
+          uint16_t* o = static_cast<uint16_t*>(dst) + k * ldd + dcol;
+          for (int64_t c = 0; c < ncol; ++c) o[c] = f32_to_bf16_bits(v[c]);
+        }
       }
     }
   }

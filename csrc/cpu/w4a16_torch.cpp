@@ -108,11 +108,12 @@ int dt_code(at::ScalarType t) {
 //   M      8     16     32     64    256
 //   fused  3.9   6.4   12.8   27.3  110.5 ms
 //   deq+lin 15.6 10.5  14.4   11.4   31.4 ms   (bf16 dense F.linear: 4.1 4.1 5.1 7.4 29.3 ms)
-// -> crossover between M=32 and M=64 on AVX-512. The AVX2 and portable values are estimates (not measured on
-// an AVX2-only machine): their fused kernels are slower per row, so they switch earlier.
+// -> crossover between M=32 and M=64 on AVX-512. AVX2 (measured with the ISA capped on the same VM, bf16 x, 2
+// threads, cold; after the portable dequantize was made to write k-rows contiguously): fused 8.4 / 31.1 ms vs
+// dequantize + at::linear 43.2 / 38.6 ms at M = 16 / 64 -> 64. The portable value is an estimate.
 int64_t fused_max_m(CpuIsa isa, at::ScalarType) {
   if (isa == CpuIsa::avx512) return 32;
-  if (isa == CpuIsa::avx2) return 8;
+  if (isa == CpuIsa::avx2) return 64;
   return 4;
 }
 
@@ -179,7 +180,12 @@ int64_t i16_block(const W4Gemm& g) {
 //   nvfp4 4096x4096    M=1 0.648 / 0.743 / 0.988   M=4 0.887 / 1.137 / 0.992   M=8 1.867 / 2.586 / 1.241
 //   (read floor 0.51 / 1.35 ms; torch int4pack M=1 0.765 / 1.903 ms)
 // -> up to M = 4 where AMX takes over; without AMX it replaces the fused fp32 kernel (~1.4x faster at M = 8-16).
-int64_t i16_max_m(bool amx) { return amx ? 4 : 32; }
+// AVX2 (same machine, isa capped; ms): M=1 0.705 / 1.540 (fused fp32), M=4 1.786 / 2.285, M=16 7.10 / 8.43, M=64
+// 26.2 / 31.1 (dequantize + at::linear 38.6), so there it replaces the fused kernel up to M = 64.
+int64_t i16_max_m(CpuIsa isa, bool amx) {
+  if (isa == CpuIsa::avx2) return 64;
+  return amx ? 4 : 32;
+}
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
 // element i of the row-major [M][K] activations as fp32
@@ -232,11 +238,11 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   g.gscale = static_cast<float>(global_scale);
   g.out = y.data_ptr(); g.ldo = n; g.out_dtype = dt_code(dt);
 
-  // path 3 = 16-bit integer activations, vpdpwssd on the raw codes (AVX-512 VNNI)
-  const int64_t ag = isa == CpuIsa::avx512 ? i16_block(g) : 0;
+  // path 3 = 16-bit integer activations on the raw codes (AVX-512 VNNI vpdpwssd; AVX2 vpmaddwd)
+  const int64_t ag = isa != CpuIsa::generic ? i16_block(g) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
-  if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(amx_ok)))) {
+  if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok)))) {
     const int64_t nab = K / ag;
     at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
     at::Tensor xs = at::empty({M, nab}, x.options().dtype(at::kFloat));
@@ -244,10 +250,15 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     int16_t* xqp = xq.data_ptr<int16_t>();
     float* xsp = xs.data_ptr<float>();
     int32_t* xdp = xd.data_ptr<int32_t>();
-    if (w4a16_quant_x16_avx512(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)) {
+    const bool avx512 = isa == CpuIsa::avx512;
+    if (avx512 ? w4a16_quant_x16_avx512(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)
+               : w4a16_quant_x16_generic(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)) {
       at::Tensor bf;
       if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
-      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_fused_i16_avx512(g, xqp, xsp, xdp, M, ag, p0, p1); });
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+        if (avx512) w4a16_fused_i16_avx512(g, xqp, xsp, xdp, M, ag, p0, p1);
+        else w4a16_fused_i16_avx2(g, xqp, xsp, xdp, M, ag, p0, p1);
+      });
       return y;
     }
     path = 0;  // inf / nan in x: the fp32 kernel propagates them

@@ -5,10 +5,10 @@ float activations (fp32 / bf16 / fp16).
 order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), per-group fp32 scales (NVFP4:
 fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
 permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
-(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: for bf16 activations on
-AVX-512 at small M (up to 4 with AMX, 32 without), the activations become int16 per block with a power-of-two
-scale (exact for every element within 2^7 of its block's max) and meet the raw codes in vpdpwssd, which streams
-the weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that (int4: code values straight into the
+(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: for bf16 activations at small
+M (AVX-512: up to 4 with AMX, 32 without; AVX2: up to 64), the activations become int16 per block with a
+power-of-two scale (exact for every element within 2^7 of its block's max) and meet the raw codes in vpdpwssd
+(AVX2: vpmaddwd), which streams the weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that (int4: code values straight into the
 tiles, scales on the accumulators, for M <= 32; panels decoded once with the scales folded in for larger M;
 NVFP4: two 16-k blocks stacked per tile product up to M = 8); otherwise (fp32 / fp16 activations, AVX2) a
 fused dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M
@@ -36,8 +36,8 @@ class CpuW4A16Kernel(Kernel):
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
-                   "VNNI) for small M, AMX-BF16 tiles on Intel from M = 5; fused AVX-512 / AVX2 / portable fp32 "
-                   "decode for small M, dequantize + bf16 GEMM for large M")
+                   "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 5; fused AVX-512 / AVX2 / portable "
+                   "fp32 decode for small M, dequantize + bf16 GEMM for large M")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
