@@ -4,6 +4,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -227,6 +228,81 @@ void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const i
   }
 }
 
+// ---- dequantize to a dense transposed weight Wt [K][ldd] (scales, zero points and the global scale folded in).
+// Per k-pair and 16-byte half h (columns 8h..8h+7 and 16+8h..): a vpshufb splits the bytes by k parity, the
+// nibbles widen to 32-bit lanes = 8 consecutive columns of one k-row. Partial last panels take the portable code.
+inline void store8_bf16x2(uint16_t* d, __m256 a, __m256 b) {  // 16 fp32 -> bf16 (round to nearest even)
+  auto rnd = [](__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  };
+  const __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(rnd(a), rnd(b)), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), pk);
+}
+
+template <int MODE>
+void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
+  const int64_t K = g.K, G = g.G, kpg = g.gs / 2;
+  alignas(32) float lt[16];
+  for (int c = 0; c < 16; ++c) lt[c] = kE2M1[c];
+  const __m256 lut0 = _mm256_load_ps(lt), lut1 = _mm256_load_ps(lt + 8);
+  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i m15 = _mm256_set1_epi32(15);
+  const __m256 gsv = _mm256_set1_ps(g.gscale);
+  const bool bf = dst_dtype == DT_BF16;
+  const int64_t pf = std::min(p1, g.N / W4_NP);  // full panels [p0, pf); a partial last one: portable code
+  if (pf < p1)
+    w4a16_dequant_generic(g, static_cast<char*>(dst) + (pf - p0) * W4_NP * (bf ? 2 : 4), dst_dtype, ldd, pf, p1);
+  constexpr int64_t JB = 32;  // k-blocks outermost: few destination rows in flight
+  for (int64_t jb = 0; jb < K / 2; jb += JB) {
+    const int64_t je = jb + JB < K / 2 ? jb + JB : K / 2;
+    for (int64_t p = p0; p < pf; ++p) {
+      const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+      const int64_t col0 = (p - p0) * W4_NP;
+      __m256 sv[4], zv[4];
+      for (int64_t j = jb, gend = -1; j < je; ++j) {
+        if (j >= gend) {
+          const int64_t gi = j / kpg;
+          gend = (gi + 1) * kpg;
+          const int64_t so = (p * G + gi) * W4_NP;
+          for (int i = 0; i < 4; ++i) {  // vector i = columns 8i..8i+7
+            sv[i] = MODE == W4_NVFP4 ? fp8x8_to_ps(static_cast<const uint8_t*>(g.scales) + so + 8 * i)
+                                     : _mm256_loadu_ps(static_cast<const float*>(g.scales) + so + 8 * i);
+            sv[i] = _mm256_mul_ps(sv[i], gsv);
+            zv[i] = MODE == W4_ASYM ? _mm256_mul_ps(_mm256_loadu_ps(g.zs + so + 8 * i), gsv)
+                                    : _mm256_mul_ps(sv[i], _mm256_set1_ps(MODE == W4_SYM ? 8.0f : 0.0f));
+          }
+        }
+        __m256 v[2][4];  // [k parity][columns 8i..]
+        for (int h = 0; h < 2; ++h) {
+          const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * W4_NP + 16 * h)), split);
+          for (int par = 0; par < 2; ++par) {
+            const __m256i c = _mm256_cvtepu8_epi32(par ? _mm_srli_si128(b, 8) : b);
+            const __m256i lo = _mm256_and_si256(c, m15), hi = _mm256_srli_epi32(c, 4);
+            // lo: columns 8h.., hi: columns 16 + 8h..
+            const __m256 wl = MODE == W4_NVFP4 ? decode<MODE>(lo, lut0, lut1) : _mm256_cvtepi32_ps(lo);
+            const __m256 wh = MODE == W4_NVFP4 ? decode<MODE>(hi, lut0, lut1) : _mm256_cvtepi32_ps(hi);
+            v[par][h] = _mm256_fmsub_ps(wl, sv[h], zv[h]);
+            v[par][2 + h] = _mm256_fmsub_ps(wh, sv[2 + h], zv[2 + h]);
+          }
+        }
+        for (int par = 0; par < 2; ++par) {
+          const int64_t off = (2 * j + par) * ldd + col0;
+          if (bf) {
+            uint16_t* d = static_cast<uint16_t*>(dst) + off;
+            store8_bf16x2(d, v[par][0], v[par][1]);
+            store8_bf16x2(d + 16, v[par][2], v[par][3]);
+          } else {
+            float* d = static_cast<float*>(dst) + off;
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(d + 8 * i, v[par][i]);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // xsum [M][G] is required for int4 (sym and asym) on this path
@@ -245,7 +321,9 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
 }
 
 void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
-  w4a16_dequant_generic(g, dst, dst_dtype, ldd, p0, p1);
+  if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
+  else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);
+  else dequant_impl<W4_SYM>(g, dst, dst_dtype, ldd, p0, p1);
 }
 
 }  // namespace hf_w4

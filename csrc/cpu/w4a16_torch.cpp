@@ -109,11 +109,11 @@ int dt_code(at::ScalarType t) {
 //   fused  3.9   6.4   12.8   27.3  110.5 ms
 //   deq+lin 15.6 10.5  14.4   11.4   31.4 ms   (bf16 dense F.linear: 4.1 4.1 5.1 7.4 29.3 ms)
 // -> crossover between M=32 and M=64 on AVX-512. AVX2 (measured with the ISA capped on the same VM, bf16 x, 2
-// threads, cold; after the portable dequantize was made to write k-rows contiguously): fused 8.4 / 31.1 ms vs
-// dequantize + at::linear 43.2 / 38.6 ms at M = 16 / 64 -> 64. The portable value is an estimate.
+// threads, cold, ms): fused 9.8 / 32.1 vs dequantize (AVX2) + at::linear 9.4 / 10.7 at M = 16 / 64 -> 16. The
+// portable value is an estimate.
 int64_t fused_max_m(CpuIsa isa, at::ScalarType) {
   if (isa == CpuIsa::avx512) return 32;
-  if (isa == CpuIsa::avx2) return 64;
+  if (isa == CpuIsa::avx2) return 16;
   return 4;
 }
 
@@ -180,10 +180,10 @@ int64_t i16_block(const W4Gemm& g) {
 //   nvfp4 4096x4096    M=1 0.648 / 0.743 / 0.988   M=4 0.887 / 1.137 / 0.992   M=8 1.867 / 2.586 / 1.241
 //   (read floor 0.51 / 1.35 ms; torch int4pack M=1 0.765 / 1.903 ms)
 // -> up to M = 4 where AMX takes over; without AMX it replaces the fused fp32 kernel (~1.4x faster at M = 8-16).
-// AVX2 (same machine, isa capped; ms): M=1 0.705 / 1.540 (fused fp32), M=4 1.786 / 2.285, M=16 7.10 / 8.43, M=64
-// 26.2 / 31.1 (dequantize + at::linear 38.6), so there it replaces the fused kernel up to M = 64.
+// AVX2 (same machine, isa capped; int16 / fused fp32 / dequantize + at::linear, ms): M=1 0.705 / 1.540 / -,
+// M=4 1.786 / 2.285 / -, M=16 8.36 / 9.84 / 9.39, M=64 26.7 / 32.1 / 10.7 -> up to M = 16.
 int64_t i16_max_m(CpuIsa isa, bool amx) {
-  if (isa == CpuIsa::avx2) return 64;
+  if (isa == CpuIsa::avx2) return 16;
   return amx ? 4 : 32;
 }
 

@@ -6,7 +6,7 @@ order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), p
 fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
 permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
 (AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: for bf16 activations at small
-M (AVX-512: up to 4 with AMX, 32 without; AVX2: up to 64), the activations become int16 per block with a
+M (AVX-512: up to 4 with AMX, 32 without; AVX2: up to 16), the activations become int16 per block with a
 power-of-two scale (exact for every element within 2^7 of its block's max) and meet the raw codes in vpdpwssd
 (AVX2: vpmaddwd), which streams the weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that (int4: code values straight into the
 tiles, scales on the accumulators, for M <= 32; panels decoded once with the scales folded in for larger M;
