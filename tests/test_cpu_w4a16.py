@@ -345,3 +345,21 @@ def test_int16_path_int32_headroom(isa):
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", isa=isa, path=3)
         expect = sign * 1.9921875 * 7 * 0.01 * k
         assert torch.allclose(y.float(), torch.full((2, n), expect), rtol=2 ** -8), (sign, y[0, :4], expect)
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+@pytest.mark.parametrize("k,gs", [(480, 48), (520, 40), (8200, -1), (8248, -1)])
+def test_int16_path_activation_blocks(isa, k, gs):
+    """Activation blocks of the int16 path = the largest divisor of the group that is a multiple of 4 and at most
+    4096: 48, 40 (masked tails in the quantizer), 1640 for channel-wise K = 8200; none for K = 8248 = 8 x 1031
+    (then path 3 falls back to the fp32 kernel). Asymmetric, with bias."""
+    n = 40
+    spec, qw = make_qweight("ct_pack", n, k, gs, sym=False, seed=k)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for M in (1, 2, 5):
+        x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", bias=bias, isa=isa, path=3)
+        check(y, x, W, bias, False, f"{isa} K={k} g={gs} M={M}", i16_group=_group(qw, k))
