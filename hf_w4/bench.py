@@ -14,6 +14,7 @@ are imported from ``hf_w4.bench_int8.CONTENDERS`` when that module exists.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import statistics
@@ -274,7 +275,7 @@ class _W4Linear(torch.nn.Module):
         return self.kernel.apply(self, x, self.bias)
 
 
-def bench_model(layers=2, tokens=32, prompt=8, group_size=128, log=print):
+def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=print):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
     transformers.logging.set_verbosity_error()
@@ -285,30 +286,31 @@ def bench_model(layers=2, tokens=32, prompt=8, group_size=128, log=print):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, prompt))
 
-    def tps(mdl):
-        with torch.inference_mode():
-            mdl.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
-            best = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                mdl.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-                best.append(tokens / (time.perf_counter() - t0))
-        return statistics.median(best)
-
-    out = {"bf16": tps(model)}
-    log(f"  dense bf16: {out['bf16']:.2f} tok/s")
-    for nv in (False, True):
-        for blk in model.model.layers:
+    def quantized(nvfp4):
+        q = copy.deepcopy(model)
+        for blk in q.model.layers:
             for parent in (blk.self_attn, blk.mlp):
                 for nm, mod in list(parent.named_children()):
-                    if isinstance(mod, (torch.nn.Linear, _W4Linear)):
-                        src = mod if isinstance(mod, torch.nn.Linear) else mod._dense
-                        new = _W4Linear(src, group_size, nv)
-                        new._dense = src
-                        setattr(parent, nm, new)
-        key = "ours_nvfp4" if nv else "ours_int4"
-        out[key] = tps(model)
-        log(f"  {key}: {out[key]:.2f} tok/s ({out[key] / out['bf16']:.2f}x dense bf16)")
+                    if isinstance(mod, torch.nn.Linear):
+                        setattr(parent, nm, _W4Linear(mod, group_size, nvfp4))
+        return q
+
+    models = {"bf16": model, "ours_int4": quantized(False), "ours_nvfp4": quantized(True)}
+    runs = {k: [] for k in models}
+    with torch.inference_mode():
+        for mdl in models.values():   # warm-up
+            mdl.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        # rounds interleaved (dense, int4, nvfp4, dense, ...): the host's load drifts over a run, and a ratio of
+        # medians from interleaved rounds is far steadier than one of back-to-back blocks
+        for _ in range(rounds):
+            for k, mdl in models.items():
+                t0 = time.perf_counter()
+                mdl.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+                runs[k].append(tokens / (time.perf_counter() - t0))
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    log(f"  dense bf16: {out['bf16']:.2f} tok/s")
+    for k in ("ours_int4", "ours_nvfp4"):
+        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16)")
     return out
 
 
@@ -330,6 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--model-rounds", type=int, default=5)
     ap.add_argument("--no-boost", action="store_true", help="do not try nice -20 on this process group")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -366,8 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(int8_table(res, shapes, ms, names))
     if a.model or a.model_only:
         print(f"\nwhole-model greedy decode (Llama-shaped, hidden 4096, {a.layers} layers, random bf16 weights, "
-              f"{a.tokens} new tokens):")
-        bench_model(a.layers, a.tokens, group_size=a.group_size)
+              f"{a.tokens} new tokens, median of {a.model_rounds} interleaved rounds):")
+        bench_model(a.layers, a.tokens, group_size=a.group_size, rounds=a.model_rounds)
     return 0
 
 
