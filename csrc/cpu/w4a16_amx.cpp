@@ -6,13 +6,13 @@
 // the packed layout's (column, parity) lanes are exactly that order, so no shuffles), and multiplied with a
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
-// A block of whole panels (~1 MiB) is decoded once into a per-thread buffer and every 32-row block runs over
-// it, so the decode is paid once per weight, and the next row block is prefetched into L2. (int4 with M <= 32
+// A block of 8 panels x 1024 k (512 KiB) is decoded once into a per-thread buffer and every 32-row block runs
+// over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is prefetched into L2. (int4 with M <= 32
 // mostly takes amx_small_raw below instead: raw codes, scales on the accumulators; NVFP4 with M <= 8
 // amx_nvfp4_stacked.) Measured (1 thread, K=N=4096, hot, quiet minima):
 // decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s; oneDNN's dense
-// bf16 ~0.95 TFLOP/s). Tried and dropped: K-blocking with the C tiles spilled to L1 between 256-k chunks
-// (1.3-2x slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB
+// bf16 ~0.95 TFLOP/s; numbers from before the 1024-k chunks). Tried and dropped: 256-k chunks with the C tiles
+// spilled to L1 (1.3-2x slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB
 // apart alias in L1: packed A makes every tile load 1 KiB of contiguous memory).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -129,12 +129,17 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
       w4a16_store_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
-  // Decode a block of NB panels x one K chunk of at most 4096 k (NB * KC * 64 bytes, ~1 MiB, stays in L2) once,
-  // then run every 32-row block of the (tile-packed) activations over it. With K > 4096 the C tiles are
+  // Decode a block of NB panels x one K chunk of at most 1024 k (NB * KC * 64 bytes, 512 KiB, stays in L2) once,
+  // then run every 32-row block of the (tile-packed) activations over it. With K > 1024 the C tiles are
   // spilled to a per-thread buffer between chunks (4 KiB per 32 rows x 32 columns per chunk - cheap); without
   // the chunks, K = 11008 allowed only one panel per block and every panel re-read all of the activations
-  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64).
-  const int64_t KCB = std::min<int64_t>(KB, 128);  // 32-k steps per chunk
+  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64). The chunk is 1024 k rather than 4096
+  // because the tile loads are what the AMX unit waits on here: a 32-row block's activations of one chunk
+  // (64 KiB instead of 256) are re-read by every panel of the block, and the shorter run loads faster (tile
+  // loop alone, 2 x 2 steps over a 1 MiB-block footprint: ~40 vs ~57 ns per TDP; 4096x4096 M=1024, 1 thread:
+  // 86 vs 115-126 ms, interleaved; 2 threads vs dense bf16 at M=256/1024 on 4096x4096 and 11008x4096:
+  // 1.06-1.23x vs 0.92-1.10x). 2048-k chunks and 4-panel blocks measured no better.
+  const int64_t KCB = std::min<int64_t>(KB, 32);  // 32-k steps per chunk
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
   const bool chunked = KCB < KB;
   thread_local std::vector<uint16_t> pbuf;
