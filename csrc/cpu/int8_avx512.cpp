@@ -362,9 +362,8 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 // register blocking over each half of the panel (4 tile loads per 4 TDPBSSD), a single block 1 x 4 (5 loads).
 // A finished group goes through an 8 KiB int32 buffer (two of them) into the fp32 row accumulators; that
 // epilogue runs in shares after each K step of the next group (its TDPs already issued), so the vector units
-// work while the AMX unit computes. While a slice is
-// computed, the next one is converted in small pieces between the K steps (two slice buffers), which keeps the
-// weight stream going at small M. Activations come in 16-row tile blocks (quant_tiles with rowmajor). Results
+// work while the AMX unit computes. While a slice is computed, the next one is converted in small pieces
+// between the K steps (two slice buffers), which keeps the weight stream going at small M. Activations come in 16-row tile blocks (quant_tiles with rowmajor). Results
 // are bit-identical to the AVX-512 path (same exact integers, same fp32 operations in the same order).
 // Used only when the CPU and the OS allow it (see amx_usable).
 

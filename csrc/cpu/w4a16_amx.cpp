@@ -7,13 +7,13 @@
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of 8 panels x 1024 k (512 KiB) is decoded once into a per-thread buffer and every 32-row block runs
-// over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is prefetched into L2. (int4 with M <= 32
-// mostly takes amx_small_raw below instead: raw codes, scales on the accumulators; NVFP4 with M <= 8
-// amx_nvfp4_stacked.) Measured (1 thread, K=N=4096, hot, quiet minima):
-// decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s; oneDNN's dense
-// bf16 ~0.95 TFLOP/s; numbers from before the 1024-k chunks). Tried and dropped: 256-k chunks with the C tiles
-// spilled to L1 (1.3-2x slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB
-// apart alias in L1: packed A makes every tile load 1 KiB of contiguous memory).
+// over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
+// prefetched into L2. (int4 with M <= 32 mostly takes amx_small_raw below instead: raw codes, scales on the
+// accumulators; NVFP4 with M <= 8 amx_nvfp4_stacked.) Measured (1 thread, K=N=4096, hot, quiet minima, before
+// the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
+// oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k chunks with the C tiles spilled to L1 (1.3-2x
+// slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart
+// alias in L1: packed A makes every tile load 1 KiB of contiguous memory).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
