@@ -11,6 +11,7 @@
 
 #include <cstring>
 
+#include "avx512_convert.h"
 #include "int8_gemm.h"
 
 #define HF_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")))
@@ -152,15 +153,6 @@ HF_T512I __m512 load16(const void* x, int t, int64_t i) {
   return _mm512_cvtph_ps(h);
 }
 
-HF_T512I __m256i f32_to_bf16_16(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 struct T512 {
   static constexpr int MR = MRA;
   static void tile(const TileArgs& a) {
@@ -207,7 +199,7 @@ struct T512 {
         if (ot == OUT_F32) {
           _mm512_mask_storeu_ps((float*)out + r * ldo + n, m, v);
         } else {
-          const __m256i h = ot == OUT_BF16 ? f32_to_bf16_16(v)
+          const __m256i h = ot == OUT_BF16 ? hf_w4::f32x16_to_bf16(v)
                                            : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           _mm256_mask_storeu_epi16((uint16_t*)out + r * ldo + n, m, h);
         }

@@ -127,7 +127,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
     if (two) { _tile_stored(5, &cbuf[1][0][0], 128); _tile_stored(6, &cbuf[1][0][16], 128); }
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
-      w4a16_store_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
+      store_row_avx512(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
   // Decode a block of NB panels x one K chunk of at most 1024 k (NB * KC * 64 bytes, 512 KiB, stays in L2) once,
   // then run every 32-row block of the (tile-packed) activations over it. With K > 1024 the C tiles are
@@ -265,7 +265,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
         _mm512_store_ps(acc[m] + 16, v1);
       }
     }
-    for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, acc[m], W4_NP);
+    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, acc[m], W4_NP);
   }
   _tile_release();
 }
@@ -310,7 +310,7 @@ void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t 
         _mm512_store_ps(acc[m] + 16, _mm512_fmadd_ps(_mm512_load_ps(cb[8 + m] + 16), t1, v1));
       }
     }
-    for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, acc[m], W4_NP);
+    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, acc[m], W4_NP);
   }
   _tile_release();
 }

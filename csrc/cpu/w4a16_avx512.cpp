@@ -137,7 +137,7 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
         default: panel_rows<6, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
       }
     }
-    for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
+    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
   }
 }
 
@@ -247,7 +247,7 @@ void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const i
         case 3: panel_rows_i16<3, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
         default: panel_rows_i16<4, MODE>(g, q, x0, K, s0, d0, ag, p, res); break;
       }
-      for (int64_t m = 0; m < mr; ++m) w4a16_store_row(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
+      for (int64_t m = 0; m < mr; ++m) store_row_avx512(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
     }
   }
 }
