@@ -188,15 +188,22 @@ int64_t i16_max_m(CpuIsa isa, bool amx) {
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
-// element i of the row-major [M][K] activations as fp32
+// element i of the row-major [M][K] activations as fp32. 16 independent partial sums (vectorized by the compiler):
+// one running sum was latency bound, ~0.2 ms per call at M = 32, K = 4096.
 template <typename At>
 std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
   const int64_t G = K / gs;
   std::vector<float> xsum(static_cast<size_t>(M) * G, 0.0f);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t gi = 0; gi < G; ++gi) {
+      float part[16] = {};
+      const int64_t k0 = r * K + gi * gs, k1 = k0 + gs;
+      int64_t kk = k0;
+      for (; kk + 16 <= k1; kk += 16)
+        for (int j = 0; j < 16; ++j) part[j] += at(kk + j);
       float s = 0.f;
-      for (int64_t kk = gi * gs; kk < (gi + 1) * gs; ++kk) s += at(r * K + kk);
+      for (int j = 0; j < 16; ++j) s += part[j];
+      for (; kk < k1; ++kk) s += at(kk);
       xsum[r * G + gi] = s;
     }
   return xsum;
