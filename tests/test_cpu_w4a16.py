@@ -258,11 +258,13 @@ AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= _FLAGS
 
 @pytest.mark.parametrize("layout,sym,ao,gs", [("gptq", True, False, 128), ("gptq", False, True, 64),
                                               ("awq", False, False, 32), ("gptq", False, False, 16),
+                                              ("gptq", True, False, 16),
                                               ("ct_nvfp4", True, False, 16),
                                               ("modelopt_nvfp4", True, False, 16)])
 def test_amx_path(layout, sym, ao, gs, monkeypatch):
-    """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the raw-code kernel (M <= 32; int4 groups
-    of a multiple of 32 and NVFP4, which stacks two 16-k blocks per tile for M <= 8) and the scale-folding one (M > 32, and int4 g16 at every M), a
+    """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the raw-code kernels (M <= 32: int4 groups
+    of a multiple of 32; NVFP4 stacks two 16-k blocks per tile for M <= 8), the streaming scale-folding one (M <= 32
+    otherwise: int4 g16, NVFP4 M = 9..32) and the blocked scale-folding one (M > 32), a
     partial last panel (N=200) and bias; budget = the large-M budget (weights*scales rounded to bf16, fp32
     accumulation): 2^-8 |ref| + 2^-8 sum|x||w| + 2e-6 sum|x||w|. Without AMX (other CPUs, isa capped to
     avx2/generic, or HF_W4_AMX=0 in the environment) path=2 must fall back to a correct path."""

@@ -8,8 +8,9 @@
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of 8 panels x 1024 k (512 KiB) is decoded once into a per-thread buffer and every 32-row block runs
 // over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
-// prefetched into L2. (int4 with M <= 32 mostly takes amx_small_raw below instead: raw codes, scales on the
-// accumulators; NVFP4 with M <= 8 amx_nvfp4_stacked.) Measured (1 thread, K=N=4096, hot, quiet minima, before
+// prefetched into L2. (M <= 32 streams instead, one 32-k step decoded into L1 right before its tile products:
+// int4 groups of a multiple of 32 in amx_small_raw - raw codes, scales on the accumulators -, NVFP4 with M <= 8
+// in amx_nvfp4_stacked, the rest in amx_small_folded.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
 // oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k chunks with the C tiles spilled to L1 (1.3-2x
 // slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart
@@ -75,25 +76,26 @@ inline void tile_step(const uint16_t* b, const uint16_t* a0, const uint16_t* a1,
   }
 }
 
+// Decodes 16 k-pairs x 32 columns of packed codes to bf16 B tiles with the group scales (and zero points) folded
+// in: dst[0..511] columns 0..15, dst[512..1023] columns 16..31 (VNNI-2 rows; the packed layout's (column, parity)
+// lanes are exactly that order, so no shuffles). fp32 LUT (vpermps), scale, round to bf16.
 template <int MODE>
-void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
-  // tiles: 0 / 7 = A of the two 16-row blocks, 1-2 = B (columns 0..15, 16..31), 3-4 / 5-6 = C
-  const int64_t K = g.K, G = g.G, kpg = g.gs / 2, KB = K / 32, MB = (M + 15) / 16;
-  alignas(64) float lt[16];
-  for (int c = 0; c < 16; ++c)
-    lt[c] = MODE == W4_NVFP4 ? kE2M1[c] : MODE == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
-  const __m512 lut = _mm512_load_ps(lt);
-  const __m512i dupA = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-  alignas(64) float cbuf[2][16][32];
-  // 16 k-pairs of panel p from k-pair kb on -> B tiles dst[0..511] (columns 0..15), dst[512..1023] (16..31)
-  auto decode = [&](int64_t p, int64_t kb, uint16_t* dst) {
-    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+struct FoldedDecoder {
+  const W4Gemm& g;
+  __m512 lut;
+  __m512i dupA, dupB;
+  explicit FoldedDecoder(const W4Gemm& gg) : g(gg) {
+    alignas(64) float lt[16];
+    for (int c = 0; c < 16; ++c)
+      lt[c] = MODE == W4_NVFP4 ? kE2M1[c] : MODE == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+    lut = _mm512_load_ps(lt);
+    dupA = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
+  }
+  // k-pairs kb .. kb + 15 of panel p
+  inline void operator()(int64_t p, int64_t kb, uint16_t* dst) const {
+    const int64_t kpg = g.gs / 2;
+    const uint8_t* q = g.qpack + p * (g.K / 2) * W4_NP;
     int64_t gend = -1;
     __m512 sd[4], zd[4];
     for (int jj = 0; jj < 16; ++jj) {
@@ -101,7 +103,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
       if (j >= gend) {
         const int64_t gi = j / kpg;
         gend = (gi + 1) * kpg;
-        const int64_t so = (p * G + gi) * W4_NP;
+        const int64_t so = (p * g.G + gi) * W4_NP;
         __m512 s0, s1;
         load_scales<MODE>(g, so, s0, s1);
         sd[0] = _mm512_permutexvar_ps(dupA, s0); sd[1] = _mm512_permutexvar_ps(dupA, s1);
@@ -122,7 +124,20 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
       _mm512_storeu_si512(dst + jj * 32, (__m512i)_mm512_cvtne2ps_pbh(v[2], v[0]));
       _mm512_storeu_si512(dst + 512 + jj * 32, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[1]));
     }
-  };
+  }
+};
+
+template <int MODE>
+void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
+  // tiles: 0 / 7 = A of the two 16-row blocks, 1-2 = B (columns 0..15, 16..31), 3-4 / 5-6 = C
+  const int64_t KB = g.K / 32, MB = (M + 15) / 16;
+  const FoldedDecoder<MODE> decode(g);
+  TileCfg cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  alignas(64) float cbuf[2][16][32];
   auto epilogue = [&](int64_t p, int64_t mb, bool two) {
     _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
     if (two) { _tile_stored(5, &cbuf[1][0][0], 128); _tile_stored(6, &cbuf[1][0][16], 128); }
@@ -207,33 +222,39 @@ inline void decode_raw16(const uint8_t* qk, const __m512i lut, uint16_t* bbuf) {
   }
 }
 
+// Tile configuration of the small-M kernels (M <= 32, tile_step's numbering): A and C tiles with M rows (<= 16) per
+// 16-row block; returns whether there are two blocks.
+inline bool small_tile_config(int64_t M) {
+  const bool two = M > 16;
+  const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : 16;
+  TileCfg cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  cfg.rows[0] = r0; cfg.colsb[0] = 64;             // A, rows 0..15
+  cfg.rows[7] = r1; cfg.colsb[7] = 64;             // A, rows 16..
+  cfg.rows[1] = cfg.rows[2] = 16; cfg.colsb[1] = cfg.colsb[2] = 64;
+  cfg.rows[3] = cfg.rows[4] = r0; cfg.colsb[3] = cfg.colsb[4] = 64;
+  cfg.rows[5] = cfg.rows[6] = r1; cfg.colsb[5] = cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+  return two;
+}
+
 // int4, M <= 32, groups of a multiple of 32: the codes go to the B tiles as they are (decode_raw16: 1 widening
 // load, 2 vpermw and 1 shift per k-pair x 32 columns, no fp32 detour), and the group scales (and zero points,
 // through the per-group activation sums) are applied to the C tiles once per group. The decode is what costs at
 // small M, so this is ~3x cheaper per weight than decoding with the scales folded in. A / C tiles have M (<= 16)
 // rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
 // the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
-// - slower than amx_nvfp4_stacked for M <= 8 and than amx_impl above for M > 8, e.g. M=16 1.9 vs 1.7 ms,
-// M=32 3.3 vs 2.6 ms.)
+// - slower than amx_nvfp4_stacked for M <= 8 and than the scale-folding decode for M > 8, e.g. M=16 1.9 vs
+// 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded.)
 template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / 32;
-  const bool two = M > 16;
-  const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : 0;
+  const bool two = small_tile_config(M);
   alignas(64) uint16_t lt[32];
   for (int c = 0; c < 32; ++c)
     lt[c] = f32_to_bf16_bits(MODE == W4_SYM ? static_cast<float>((c & 15) - 8) : static_cast<float>(c & 15));
   const __m512i lut = _mm512_load_si512(lt);
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  cfg.rows[0] = r0; cfg.colsb[0] = 64;                  // A, rows 0..15
-  cfg.rows[7] = two ? r1 : 16; cfg.colsb[7] = 64;       // A, rows 16..
-  cfg.rows[1] = cfg.rows[2] = 16; cfg.colsb[1] = cfg.colsb[2] = 64;
-  cfg.rows[3] = cfg.rows[4] = r0; cfg.colsb[3] = cfg.colsb[4] = 64;
-  cfg.rows[5] = cfg.rows[6] = two ? r1 : 16;
-  cfg.colsb[5] = cfg.colsb[6] = 64;
-  _tile_loadconfig(&cfg);
   alignas(64) uint16_t bbuf[2 * 16 * 32];
   alignas(64) float cb[32][32];
   alignas(64) float acc[32][32];
@@ -266,6 +287,38 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
       }
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, acc[m], W4_NP);
+  }
+  _tile_release();
+}
+
+// M <= 32 where the raw-code kernel does not apply (NVFP4 from M = 9, int4 groups that are not a multiple of 32):
+// the streaming loop of amx_small_raw, each 32-k step decoded with the scales folded in (FoldedDecoder) into an
+// L1 buffer right before its tile products, and the C tiles accumulating over all of K (no per-group flush).
+// amx_impl's blocking (decode a 512 KiB block once and re-read it from L2 for every 32-row block) only pays
+// with several row blocks; with one, its B tile loads come from L2 instead of L1. Measured (2 threads, K=N=4096,
+// cold, medians, three alternating runs, ms; small_folded / amx_impl): NVFP4 M=9 1.22-1.60 / 1.84-2.12,
+// M=16 1.28-1.64 / 1.92-2.19, M=32 1.53-2.29 / 2.86-3.57; int4 g16 M=8 1.32-1.56 / 1.97-2.08, M=32 2.17-2.47 /
+// 2.95-3.07. (For NVFP4 M <= 8 amx_nvfp4_stacked stays faster: M=5 0.95-1.35 vs 1.37-1.67.)
+template <int MODE>
+void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
+  const int64_t KB = g.K / 32;
+  const bool two = small_tile_config(M);
+  const FoldedDecoder<MODE> decode(g);
+  alignas(64) uint16_t bbuf[2 * 16 * 32];
+  alignas(64) float cb[32][32];
+  for (int64_t p = p0; p < p1; ++p) {
+    const char* q = reinterpret_cast<const char*>(g.qpack + p * (g.K / 2) * W4_NP);
+    _tile_zero(3); _tile_zero(4);
+    if (two) { _tile_zero(5); _tile_zero(6); }
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      _mm_prefetch(q + kb * 512 + kW4PrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(q + kb * 512 + kW4PrefetchBytes + 256, _MM_HINT_T0);
+      decode(p, 16 * kb, bbuf);
+      tile_step(bbuf, xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
+    }
+    _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
+    if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
+    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, cb[m], W4_NP);
   }
   _tile_release();
 }
@@ -351,6 +404,10 @@ void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int
   if (w4a16_amx_raw_ok(g, M)) {
     if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM>(g, xa, xsum, M, p0, p1);
     else amx_small_raw<W4_SYM>(g, xa, xsum, M, p0, p1);
+  } else if (M <= 32) {
+    if (g.mode == W4_NVFP4) amx_small_folded<W4_NVFP4>(g, xa, M, p0, p1);
+    else if (g.mode == W4_ASYM) amx_small_folded<W4_ASYM>(g, xa, M, p0, p1);
+    else amx_small_folded<W4_SYM>(g, xa, M, p0, p1);
   } else if (g.mode == W4_NVFP4) {
     amx_impl<W4_NVFP4>(g, xa, M, p0, p1);
   } else if (g.mode == W4_ASYM) {

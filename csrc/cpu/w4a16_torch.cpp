@@ -150,8 +150,9 @@ bool amx_enabled() {
 //   M                      1          2          3          4
 //   nvfp4 fused fp32-FMA   0.60/0.71  0.71/0.81  0.87/0.99  1.09/1.27
 //   nvfp4 AMX stacked      0.89/1.08  0.87/1.03  0.94/1.11  0.89/1.08   (M=8: 1.15/1.25; raw 8-row tiles 1.36/1.49)
-// NVFP4 with M > 8 takes the scale-folding AMX kernel (amx_impl) rather than 16-k steps of raw codes with 8-row B
-// tiles: M=16 1.66-1.75 vs 1.88-1.96 ms, M=32 2.53-2.76 vs 3.3 ms.
+// NVFP4 with M > 8 takes the scale-folding AMX kernels (amx_small_folded up to M = 32, then amx_impl) rather
+// than 16-k steps of raw codes with 8-row B tiles: M=16 1.66-1.75 (amx_impl) vs 1.88-1.96 ms, M=32 2.53-2.76 vs
+// 3.3 ms; amx_small_folded is faster still (w4a16_amx.cpp).
 // With the weight stream prefetched 8 KiB ahead (kW4PrefetchBytes), int4 M=1 is faster on the fused kernel
 // (medians of 6 interleaved rounds, ms; fused / AMX raw / torch int4pack / read floor):
 //   4096x11008  1.486 / 1.649 / 1.927 / 1.274     11008x4096  1.413 / 1.526 / 1.782 / 1.207
