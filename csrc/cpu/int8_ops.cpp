@@ -213,12 +213,13 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   if (M == 0 || n == 0) return out.reshape(os);
   const bool auto_isa = isa_req.empty() || std::string(isa_req) == "auto";
   const char* amx_env = std::getenv("HF_W4_AMX");
-  // AMX-INT8 from a measured M on (K = N = 4096, 2 threads, cold weights, ms AMX vs AVX-512 VNNI):
-  //   int4 (W4A8 g128): M=4 0.99 vs 0.60, M=8 0.98 vs 1.06, M=12 1.02 vs 1.22, M=16 1.00 vs 1.42, M=32 1.47 vs 2.36
-  //   int8 (W8A8):      M=16 1.77 vs 1.38, M=24 2.31 vs 1.64, M=32 2.21 vs 2.14, M=64 ~3.0 vs 5.5 (1 thread)
-  // (int8 panels are twice the bytes: the AMX path's extra pass that converts them to signed tiles costs more
-  // than VNNI's compute until M ~ 32)
-  const int64_t amx_min_m = wt == W_INT4 ? 8 : 32;
+  // AMX-INT8 from a measured M on (K = N = 4096, 2 threads, hot weights, medians, ms, AMX vs AVX-512 VNNI; with
+  // the 8 KiB B slices of row chunks <= 32 rows, see AMX_KC_SMALL):
+  //   int4 (W4A8 g128): M=4 0.234 vs 0.179, M=8 0.259 vs 0.257, M=12 0.292 vs 0.314, M=16 0.299 vs 0.295 (tie)
+  //   int8 (W8A8):      M=4 0.354 vs 0.322, M=8 0.363 vs 0.377, M=12 0.379 vs 0.432, M=16 0.394 vs 0.568,
+  //                     M=24 0.489 vs 0.733
+  // (before the small slices AMX only paid from M = 32 for int8 weights: 32 KiB slices pushed the tile loads to L2)
+  const int64_t amx_min_m = 8;
   const bool amx_ok = isa == ISA_AVX512 &&
                       (want_amx || (auto_isa && M >= amx_min_m && !(amx_env && std::string(amx_env) == "0"))) &&
                       g.Gp % 64 == 0 && amx_usable();

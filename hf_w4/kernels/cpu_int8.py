@@ -13,8 +13,7 @@ int4 as nibble pairs, including W4A8 int4-in-int8, which halves its bytes); ``ap
 ``hf_w4::int8_gemm``, which quantizes the activations in C++ and picks the ISA at run time (AVX-512 VNNI,
 AVX2 + AVX-VNNI, AVX2 with an exact vpmaddwd emulation, portable C++; ``HF_W4_ISA`` caps it). On Intel CPUs with
 AMX-INT8 (and Linux granting the tile state), layers with groups of a multiple of 64 columns run on AMX tiles from
-M >= 8 (int4 weights) or M >= 32 (int8 weights), the measured crossovers (bit-identical results; ``HF_W4_AMX=0``
-turns it off).
+M >= 8, the measured crossover for both weight types (bit-identical results; ``HF_W4_AMX=0`` turns it off).
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class CpuInt8Kernel(Kernel):
     WEIGHT_TYPES = frozenset({"int8", "int4"})
     ACTIVATIONS = frozenset({"int8_token", "int8_group"})
     DESCRIPTION = ("compiled CPU W8A8/W4A8 kernel: dynamic per-token (or per-group) int8 activations, "
-                   "vpdpbusd on AVX-512 VNNI / AVX-VNNI, AVX2 emulation, portable C++; AMX-INT8 from M >= 8 (int4) / 32 (int8) on Intel")
+                   "vpdpbusd on AVX-512 VNNI / AVX-VNNI, AVX2 emulation, portable C++; AMX-INT8 from M >= 8 on Intel")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
