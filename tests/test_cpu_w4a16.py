@@ -288,11 +288,11 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
-@pytest.mark.parametrize("threads,k", [(1, 1024), (1, 4096), (2, 1152), (2, 5120)])
+@pytest.mark.parametrize("threads,k", [(1, 1024), (1, 8192), (2, 2176), (2, 10240)])
 def test_amx_panel_blocks(threads, k):
-    """The AMX path for M > 32 decodes blocks of 8 panels x K chunks of <= 1024 (N = 328 -> 11 panels: a full
-    block, a short last block and a partial last panel; K = 1024: one chunk; 4096 / 5120: 4 / 5 chunks with the
-    C tiles spilled in between; 1152: a 128-k last chunk), with the next row block prefetched; same budget as
+    """The AMX path for M > 32 decodes blocks of 8 panels x K chunks of <= 2048 (N = 328 -> 11 panels: a full
+    block, a short last block and a partial last panel; K = 1024: one short chunk; 8192 / 10240: 4 / 5 chunks with
+    the C tiles spilled in between; 2176: a 128-k last chunk), with the next row block prefetched; same budget as
     above."""
     n = 328
     spec, qw = make_qweight("gptq", n, k, 128, sym=False, act_order=False, seed=12)

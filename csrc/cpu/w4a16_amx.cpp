@@ -6,7 +6,7 @@
 // the packed layout's (column, parity) lanes are exactly that order, so no shuffles), and multiplied with a
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
-// A block of 8 panels x 1024 k (512 KiB) is decoded once into a per-thread buffer and every 32-row block runs
+// A block of 8 panels x 2048 k (1 MiB) is decoded once into a per-thread buffer and every 32-row block runs
 // over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
 // prefetched into L2. (M <= 32 streams instead, one 32-k step decoded into L1 right before its tile products:
 // int4 groups of a multiple of 32 in amx_small_raw - raw codes, scales on the accumulators -, NVFP4 with M <= 8
@@ -144,7 +144,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
       store_row_avx512(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
-  // Decode a block of NB panels x one K chunk of at most 1024 k (NB * KC * 64 bytes, 512 KiB, stays in L2) once,
+  // Decode a block of NB panels x one K chunk of at most 2048 k (NB * KC * 64 bytes, 1 MiB, stays in L2) once,
   // then run every 32-row block of the (tile-packed) activations over it. With K > 1024 the C tiles are
   // spilled to a per-thread buffer between chunks (4 KiB per 32 rows x 32 columns per chunk - cheap); without
   // the chunks, K = 11008 allowed only one panel per block and every panel re-read all of the activations
@@ -153,8 +153,12 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   // (64 KiB instead of 256) are re-read by every panel of the block, and the shorter run loads faster (tile
   // loop alone, 2 x 2 steps over a 1 MiB-block footprint: ~40 vs ~57 ns per TDP; 4096x4096 M=1024, 1 thread:
   // 86 vs 115-126 ms, interleaved; 2 threads vs dense bf16 at M=256/1024 on 4096x4096 and 11008x4096:
-  // 1.06-1.23x vs 0.92-1.10x). 2048-k chunks and 4-panel blocks measured no better.
-  const int64_t KCB = std::min<int64_t>(KB, 32);  // 32-k steps per chunk
+  // 1.06-1.23x vs 0.92-1.10x). 4-panel blocks measured no better. Chunks of 2048 k (8 panels: a 1 MiB block)
+  // measured no better then, but on a later, less loaded host they win in 13 of 16 interleaved pairs (2 threads,
+  // hot, ms, 2048 vs 1024 k; M = 256 / 1024): 2048x2048 0.98-1.01 / 3.64 vs 1.05-1.07 / 3.73-3.78, 4096x4096
+  // 3.86-3.88 / 14.31-14.78 vs 3.92-4.08 / 14.61-14.63, 11008x4096 10.44-10.70 / 37.2-38.8 vs 10.8-10.9 / 39.7-40.1,
+  // 4096x11008 10.6-13.2 / 36.6-37.4 vs 11.3-11.6 / 39.1-41.2 (dense bf16 1.03 / 3.54 and 4.39 / 14.77).
+  const int64_t KCB = std::min<int64_t>(KB, 64);  // 32-k steps per chunk
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
   const bool chunked = KCB < KB;
   // 64-byte aligned: a tile row that straddles two cache lines costs two line reads (a std::vector's large
