@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 
+#include "aligned_buf.h"
 #include "int8_gemm.h"
 
 namespace hf_w4_int8 {
@@ -87,24 +88,10 @@ int resolve_isa(int requested) {
 // scratch
 
 namespace {
-struct Scratch {
-  void* p[4] = {nullptr, nullptr, nullptr, nullptr};
-  size_t n[4] = {0, 0, 0, 0};
-  ~Scratch() { for (auto q : p) std::free(q); }
-};
-thread_local Scratch tls_scratch;
+thread_local hf_w4::AlignedBuf<unsigned char> tls_scratch[4];
 }  // namespace
 
-void* thread_scratch(int slot, size_t bytes) {
-  Scratch& s = tls_scratch;
-  if (bytes > s.n[slot]) {
-    std::free(s.p[slot]);
-    size_t nb = (bytes + 4095) & ~(size_t)4095;
-    s.p[slot] = std::aligned_alloc(64, nb);
-    s.n[slot] = nb;
-  }
-  return s.p[slot];
-}
+void* thread_scratch(int slot, size_t bytes) { return tls_scratch[slot].get(bytes); }
 
 // ------------------------------------------------------------------------------------------------
 // geometry + repack

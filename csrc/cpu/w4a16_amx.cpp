@@ -145,10 +145,10 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
       store_row_avx512(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
   };
   // Decode a block of NB panels x one K chunk of at most 2048 k (NB * KC * 64 bytes, 1 MiB, stays in L2) once,
-  // then run every 32-row block of the (tile-packed) activations over it. With K > 1024 the C tiles are
+  // then run every 32-row block of the (tile-packed) activations over it. With K > 2048 the C tiles are
   // spilled to a per-thread buffer between chunks (4 KiB per 32 rows x 32 columns per chunk - cheap); without
   // the chunks, K = 11008 allowed only one panel per block and every panel re-read all of the activations
-  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64). The chunk is 1024 k rather than 4096
+  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64). The chunk was cut from 4096 k to 1024
   // because the tile loads are what the AMX unit waits on here: a 32-row block's activations of one chunk
   // (64 KiB instead of 256) are re-read by every panel of the block, and the shorter run loads faster (tile
   // loop alone, 2 x 2 steps over a 1 MiB-block footprint: ~40 vs ~57 ns per TDP; 4096x4096 M=1024, 1 thread:
@@ -161,8 +161,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   const int64_t KCB = std::min<int64_t>(KB, 64);  // 32-k steps per chunk
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
   const bool chunked = KCB < KB;
-  // 64-byte aligned: a tile row that straddles two cache lines costs two line reads (a std::vector's large
-  // allocation starts 16 bytes into its page). A stand-alone copy of this tile loop with its buffers 16 bytes off
+  // 64-byte aligned (AlignedBuf). A stand-alone copy of this tile loop with its buffers 16 bytes off
   // ran 21 ns per TDP against 13 ns aligned; the whole kernel (1 thread, 4096x4096, M = 1024) 29.2 vs 30.3-31.5 ms.
   thread_local AlignedBuf<uint16_t> pbuf_s;
   thread_local AlignedBuf<float> cacc_s;

@@ -1,10 +1,9 @@
 // small inline helpers shared by the W4A16 sources (no torch headers, no ISA-specific code)
 #pragma once
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
+#include "aligned_buf.h"
 #include "w4a16.h"
 
 namespace hf_w4 {
@@ -31,28 +30,6 @@ inline float bf16_bits_to_f32(uint16_t h) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-
-// A growable buffer aligned to 64 bytes (tile and vector rows must not straddle cache lines), for thread_local
-// per-thread workspaces: get(n) returns room for at least n elements; the contents are not kept when it grows.
-template <typename T>
-struct AlignedBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  AlignedBuf() = default;
-  AlignedBuf(const AlignedBuf&) = delete;
-  AlignedBuf& operator=(const AlignedBuf&) = delete;
-  ~AlignedBuf() { std::free(p); }
-  T* get(size_t count) {
-    if (count > n) {
-      std::free(p);
-      const size_t bytes = (count * sizeof(T) + 4095) & ~static_cast<size_t>(4095);
-      p = static_cast<T*>(std::aligned_alloc(64, bytes));
-      if (!p) throw std::bad_alloc();
-      n = bytes / sizeof(T);
-    }
-    return p;
-  }
-};
 
 // store fp32 results v[0..cnt) of output row m, columns n0.. (gscale, bias, dtype conversion)
 void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int64_t cnt);
