@@ -66,6 +66,13 @@ def test_support_matrix_is_generated():
         assert f"| {k.NAME} |" in m
 
 
+def test_registry_order_is_priority_then_name():
+    # equal priorities (cpu_int8, cpu_w4a16) must not be ordered by import order: the README table is compared
+    # verbatim, and the test modules import the kernel modules in different orders
+    ks = registry.kernels()
+    assert ks == sorted(ks, key=lambda c: (-c.PRIORITY, c.NAME))
+
+
 def test_readme_matrix_is_generated_from_the_registry():
     import pathlib
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()

@@ -25,10 +25,11 @@ _warned: set = set()
 
 
 def register(cls: Type[Kernel]) -> Type[Kernel]:
-    """Add a kernel class (idempotent); the list stays sorted by PRIORITY, highest first."""
+    """Add a kernel class (idempotent); the list stays sorted by PRIORITY, highest first, then by NAME, so the
+    order (and the README's generated table) does not depend on which kernel module was imported first."""
     if cls not in _KERNELS:
         _KERNELS.append(cls)
-        _KERNELS.sort(key=lambda c: -c.PRIORITY)
+        _KERNELS.sort(key=lambda c: (-c.PRIORITY, c.NAME))
     return cls
 
 
