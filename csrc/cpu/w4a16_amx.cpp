@@ -8,9 +8,11 @@
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of 8 panels x 2048 k (1 MiB) is decoded once into a per-thread buffer and every 32-row block runs
 // over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
-// prefetched into L2. (M <= 32 streams instead, one 32-k step decoded into L1 right before its tile products:
-// int4 groups of a multiple of 32 in amx_small_raw - raw codes, scales on the accumulators -, NVFP4 with M <= 8
-// in amx_nvfp4_stacked, the rest in amx_small_folded.) Measured (1 thread, K=N=4096, hot, quiet minima, before
+// prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
+// products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
+// scales on the accumulators -, NVFP4 with M <= 8 in amx_nvfp4_stacked, the rest in amx_small_folded. With one
+// buffer, decode and tiles took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every
+// line of the step prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
 // oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k chunks with the C tiles spilled to L1 (1.3-2x
 // slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart
@@ -214,12 +216,20 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   _tile_release();
 }
 
+// Prefetches the packed codes of the 32-k step kW4PrefetchBytes after qk: all 8 of its cache lines. (Two of
+// the 8 lines - what the small-M kernels prefetched before - left the weight stream to the hardware prefetcher:
+// 2 threads, cold, 4096x4096, ms, 2 vs 8 lines with the double-buffered decode: int4 M=4 0.437 / 0.423,
+// M=16 0.552 / 0.508, 2048x2048 M=4 0.126 / 0.108.)
+inline void prefetch_step(const uint8_t* qk) {
+  const char* p = reinterpret_cast<const char*>(qk) + kW4PrefetchBytes;
+  for (int i = 0; i < 8; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+}
+
 // 16 k-pairs x 32 columns of raw codes (qk) -> two B tiles in bbuf (columns 0..15, then 16..31): bf16 code values
 // from a 32-entry vpermw LUT (entries c and c + 16 equal, so the low nibble needs no mask); the weight stream is
 // prefetched kW4PrefetchBytes ahead.
 inline void decode_raw16(const uint8_t* qk, const __m512i lut, uint16_t* bbuf) {
-  _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(qk + kW4PrefetchBytes + 256), _MM_HINT_T0);
+  prefetch_step(qk);
   for (int jj = 0; jj < 16; ++jj) {
     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + jj * W4_NP)));
     _mm512_store_si512(bbuf + jj * 32, _mm512_permutexvar_epi16(b, lut));
@@ -260,18 +270,19 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
   for (int c = 0; c < 32; ++c)
     lt[c] = f32_to_bf16_bits(MODE == W4_SYM ? static_cast<float>((c & 15) - 8) : static_cast<float>(c & 15));
   const __m512i lut = _mm512_load_si512(lt);
-  alignas(64) uint16_t bbuf[2 * 16 * 32];
+  alignas(64) uint16_t bbuf[2][2 * 16 * 32];
   alignas(64) float cb[32][32];
   alignas(64) float acc[32][32];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     std::memset(acc, 0, sizeof(float) * 32 * M);
+    decode_raw16(q, lut, bbuf[0]);
     for (int64_t gi = 0; gi < G; ++gi) {
       _tile_zero(3); _tile_zero(4);
       if (two) { _tile_zero(5); _tile_zero(6); }
       for (int64_t kb = gi * steps; kb < (gi + 1) * steps; ++kb) {
-        decode_raw16(q + kb * 16 * W4_NP, lut, bbuf);
-        tile_step(bbuf, xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
+        if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
+        tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
       }
       _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
       if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
@@ -309,17 +320,20 @@ void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0
   const int64_t KB = g.K / 32;
   const bool two = small_tile_config(M);
   const FoldedDecoder<MODE> decode(g);
-  alignas(64) uint16_t bbuf[2 * 16 * 32];
+  alignas(64) uint16_t bbuf[2][2 * 16 * 32];
   alignas(64) float cb[32][32];
   for (int64_t p = p0; p < p1; ++p) {
-    const char* q = reinterpret_cast<const char*>(g.qpack + p * (g.K / 2) * W4_NP);
+    const uint8_t* q = g.qpack + p * (g.K / 2) * W4_NP;
     _tile_zero(3); _tile_zero(4);
     if (two) { _tile_zero(5); _tile_zero(6); }
+    prefetch_step(q);
+    decode(p, 0, bbuf[0]);
     for (int64_t kb = 0; kb < KB; ++kb) {
-      _mm_prefetch(q + kb * 512 + kW4PrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(q + kb * 512 + kW4PrefetchBytes + 256, _MM_HINT_T0);
-      decode(p, 16 * kb, bbuf);
-      tile_step(bbuf, xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
+      if (kb + 1 < KB) {
+        prefetch_step(q + (kb + 1) * 512);
+        decode(p, 16 * (kb + 1), bbuf[(kb + 1) & 1]);
+      }
+      tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
     }
     _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
     if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
@@ -342,17 +356,19 @@ void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t 
   cfg.palette = 1;
   for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t bbuf[2 * 16 * 32];
+  alignas(64) uint16_t bbuf[2][2 * 16 * 32];
   alignas(64) float cb[16][32];
   alignas(64) float acc[8][32];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     std::memset(acc, 0, sizeof(acc));
+    decode_raw16(q, lut, bbuf[0]);
     for (int64_t kb = 0; kb < KB; ++kb) {
-      decode_raw16(q + kb * 16 * W4_NP, lut, bbuf);
+      if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
+      const uint16_t* b = bbuf[kb & 1];
       _tile_zero(3); _tile_zero(4);
-      _tile_loadd(1, bbuf, 64);
-      _tile_loadd(2, bbuf + 512, 64);
+      _tile_loadd(1, b, 64);
+      _tile_loadd(2, b + 512, 64);
       _tile_loadd(0, xs2 + kb * 512, 64);
       _tile_dpbf16ps(3, 0, 1);
       _tile_dpbf16ps(4, 0, 2);
