@@ -178,6 +178,7 @@ void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_
     const int16_t* xb = xq + b * ag;
     for (int64_t j = 0; j < pairs; j += 2) {  // pairs is even: one 64-byte line per iteration
       _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
 #pragma GCC unroll 2
       for (int u = 0; u < 2; ++u) {
         const int64_t jj = j + u;

@@ -15,6 +15,12 @@ namespace hf_w4 {
 //   M=4 AMX raw codes    -     0.656   -     0.611  0.69
 // (torch int4pack in the same run: 0.729 / 1.237.) A stream needs many lines in flight to reach DRAM speed.
 constexpr int64_t kW4PrefetchBytes = 8192;
+// The int16 kernel also prefetches into L2 this far ahead (one line per 64 bytes of codes), which the hardware
+// streamer alone did not keep up with. 2 threads, cold, bf16 x, one process, the same weight copies, medians of
+// 3 interleaved rounds, ms (without / 16 KiB / 32 KiB):
+//   4096x4096   M=1 0.409 / 0.363 / 0.361   M=4 0.460 / 0.440 / 0.441   (NVFP4 M=1 0.414 / 0.392 / 0.391)
+//   11008x4096  M=1 1.089 / 0.944 / 0.946   M=4 1.241 / 1.194 / 1.182   (NVFP4 M=4 1.351 / 1.332 / 1.330)
+constexpr int64_t kW4PrefetchFarBytes = 32768;
 
 inline uint16_t f32_to_bf16_bits(float f) {
   uint32_t u;
