@@ -216,13 +216,17 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   _tile_release();
 }
 
-// Prefetches the packed codes of the 32-k step kW4PrefetchBytes after qk: all 8 of its cache lines. (Two of
-// the 8 lines - what the small-M kernels prefetched before - left the weight stream to the hardware prefetcher:
-// 2 threads, cold, 4096x4096, ms, 2 vs 8 lines with the double-buffered decode: int4 M=4 0.437 / 0.423,
-// M=16 0.552 / 0.508, 2048x2048 M=4 0.126 / 0.108.)
+// Prefetches the packed codes of the 32-k step kW4PrefetchBytes after qk into L1, all 8 of its cache lines, and
+// those kW4PrefetchFarBytes after it into L2. (Two of the 8 lines - what the small-M kernels prefetched before -
+// left the weight stream to the hardware prefetcher: 2 threads, cold, 4096x4096, ms, 2 vs 8 lines with the
+// double-buffered decode: int4 M=4 0.437 / 0.423, M=16 0.552 / 0.508, 2048x2048 M=4 0.126 / 0.108. The L2
+// prefetch, builds alternated twice, without / with: int4 M=8 0.505-0.506 / 0.449-0.457, M=16 0.544-0.548 /
+// 0.519-0.536, NVFP4 M=8 0.687-0.700 / 0.658-0.686, M=16 0.743-0.774 / 0.720-0.731.)
 inline void prefetch_step(const uint8_t* qk) {
   const char* p = reinterpret_cast<const char*>(qk) + kW4PrefetchBytes;
   for (int i = 0; i < 8; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+  const char* f = reinterpret_cast<const char*>(qk) + kW4PrefetchFarBytes;
+  for (int i = 0; i < 8; ++i) _mm_prefetch(f + 64 * i, _MM_HINT_T1);
 }
 
 // 16 k-pairs x 32 columns of raw codes (qk) -> two B tiles in bbuf (columns 0..15, then 16..31): bf16 code values
