@@ -262,9 +262,10 @@ AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= _FLAGS
                                               ("ct_nvfp4", True, False, 16),
                                               ("modelopt_nvfp4", True, False, 16)])
 def test_amx_path(layout, sym, ao, gs, monkeypatch):
-    """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the raw-code kernels (M <= 32: int4 groups
-    of a multiple of 32; NVFP4 stacks two 16-k blocks per tile for M <= 8), the streaming scale-folding one (M <= 32
-    otherwise: int4 g16, NVFP4 M = 9..32) and the blocked scale-folding one (M > 32), a
+    """Forced AMX path (path=2, bf16 x) incl. 1, 2 and 3 16-row blocks, the raw-code kernel (M <= 32: int4 groups
+    of a multiple of 32), NVFP4's fp16-product decode (M <= 32 with AVX512-FP16; see also
+    test_amx_nvfp4_fp32_decode_fallback), the streaming scale-folding one (M <= 32 otherwise: int4 g16) and the
+    blocked scale-folding one (M > 32), a
     partial last panel (N=200) and bias; budget = the large-M budget (weights*scales rounded to bf16, fp32
     accumulation): 2^-8 |ref| + 2^-8 sum|x||w| + 2e-6 sum|x||w|. Without AMX (other CPUs, isa capped to
     avx2/generic, or HF_W4_AMX=0 in the environment) path=2 must fall back to a correct path."""
@@ -275,7 +276,7 @@ def test_amx_path(layout, sym, ao, gs, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     for isa in ISAS:
-        for M in (1, 6, 8, 9, 16, 17, 33, 70):   # NVFP4: M <= 8 stacks two blocks per tile, 9..32 does not
+        for M in (1, 6, 8, 9, 16, 17, 33, 70):
             x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
             for b in (None, bias):
                 y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=b,
@@ -366,3 +367,75 @@ def test_int16_path_activation_blocks(isa, k, gs):
         x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", bias=bias, isa=isa, path=3)
         check(y, x, W, bias, False, f"{isa} K={k} g={gs} M={M}", i16_group=_group(qw, k))
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
+    """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9) decode exactly on every path, also with
+    torch.set_flush_denormal(True) (MXCSR.DAZ: an fp32 denormal built on the way used to read as 0), and the
+    AMX path that moves fp16 products into bf16 position (w * 2^-108, rows of x scaled by powers of two) keeps the
+    budget for rows of very different magnitude (1e-30 .. 1e30, zeros, bf16 denormals) and gives non-finite
+    output exactly where the reference does. Budgets as in check()."""
+    n, k = 72, 256
+    gen = torch.Generator().manual_seed(31)
+    spec = W4Spec(method="test", layout="modelopt_nvfp4", weight_type="nvfp4", bits=4, group_size=16, sym=True)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // 16, generator=gen) * 3 + 0.05
+    scales[:, 1::2] = torch.randint(1, 8, (n, k // 32), generator=gen).float() * 2.0 ** -9   # e4m3 denormals
+    qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        for M in (1, 4, 12, 24, 40):
+            x = torch.randn(M, k, generator=gen)
+            row_scale = torch.tensor([1e-30, 1e30, 0.0, 1e-39, 1.0, 3e-3][:M] + [1.0] * max(0, M - 6))
+            x = (x * row_scale[:, None]).to(torch.bfloat16)
+            xinf = x.clone()
+            xinf[M - 1, 3] = float("inf")
+            for isa in ISAS:
+                for path in (-1, 0, 2, 3):
+                    if path == 3 and isa == "generic":
+                        continue
+                    what = f"nvfp4 denormal scales M={M} isa={isa} path={path} flush={flush_denormal}"
+                    y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
+                                           path=path)
+                    check(y, x, W, None, path in (-1, 2) and M > 4, what, i16_group=16 if path in (-1, 3) else None)
+                    yi = ops.cpu_w4a16_gemm(xinf, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
+                                            path=path)
+                    ref = F.linear(xinf.float(), W)
+                    assert torch.equal(torch.isfinite(yi.float()), torch.isfinite(ref)), what + " (inf in x)"
+                    check(yi[:M - 1], xinf[:M - 1], W, None, path in (-1, 2) and M > 4, what + " (inf in x)",
+                          i16_group=16 if path in (-1, 3) else None)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
+def test_amx_nvfp4_fp32_decode_fallback():
+    """HF_W4_AMX_FP16=0 (read once per process, so in a subprocess): NVFP4 with M <= 32 on AMX takes the fp32
+    decode (amx_small_folded), as on a build without AVX512-FP16; its results are bit for bit those of the fp16
+    decode (both round the same exact products), checked here for M = 1, 4, 9, 16, 17, 32."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_cpu_w4a16 import make_qweight, prep\n"
+        "from hf_w4 import ops\n"
+        "spec, qw = make_qweight('modelopt_nvfp4', 200, 512, 16, seed=41)\n"
+        "q, s, z, perm = prep(qw)\n"
+        "gen = torch.Generator().manual_seed(42)\n"
+        "out = [ops.cpu_w4a16_gemm(torch.randn(M, 512, generator=gen).to(torch.bfloat16), q, s, z, 200, 16, 'nvfp4',"
+        " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32)]\n"
+        "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
+    outs = []
+    for flag in ("1", "0"):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hf_w4_fp16_{os.getpid()}_{flag}.pt")
+        env = dict(os.environ, HF_W4_AMX_FP16=flag)
+        subprocess.run([sys.executable, "-c", code, path], check=True, env=env)
+        outs.append(torch.load(path))
+        os.remove(path)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -91,12 +91,15 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
 // int4 with M <= 32 and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
 // the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
 bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
-// NVFP4 with M <= 8 (two 16-k blocks per tile product): activations packed twice into one 16-row tile per 32 k
-// by w4a16_amx_pack_a_stacked, xs2 bf16 [K/32][16][32] (rows 0..7: the first 16 k of the step, rows 8..15: the
-// second 16 k, the other columns zero).
-void w4a16_amx_pack_a_stacked(const uint16_t* x, int64_t M, int64_t K, uint16_t* xs2);
-void w4a16_amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1);
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);
+// NVFP4 with M <= 32 when the CPU also has AVX512-FP16 (w4a16_amx_fp16_available; HF_W4_AMX_FP16=0 in the
+// environment says no): a cheaper decode with the block scales folded in (fp16 products moved into bf16 position,
+// w * 2^-108). The activations are packed by
+// w4a16_amx_pack_a_pow2 (as w4a16_amx_pack_a, all 16-row blocks, each row multiplied by 2^a_m; rowe fp32 [M] =
+// 108 - a_m, the exponent the kernel's epilogue restores).
+bool w4a16_amx_fp16_available();
+void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe);
+void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded
 // in): dst[k * ldd + (n - 32*p0)] for n in 32*p0 .. min(N, 32*p1) - 1, dtype DT_F32 or DT_BF16

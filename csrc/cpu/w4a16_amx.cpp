@@ -10,7 +10,8 @@
 // over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
 // prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
 // products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
-// scales on the accumulators -, NVFP4 with M <= 8 in amx_nvfp4_stacked, the rest in amx_small_folded. With one
+// scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products), the rest
+// in amx_small_folded. With one
 // buffer, decode and tiles took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every
 // line of the step prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
@@ -27,12 +28,20 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
+
+// AVX512-FP16 intrinsics need GCC 12 / clang 14; older compilers build without the fp16 NVFP4 decode
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12)
+#define HF_W4_FP16_DECODE 1
+#else
+#define HF_W4_FP16_DECODE 0
+#endif
 
 namespace hf_w4 {
 
@@ -53,6 +62,20 @@ bool w4a16_amx_available() {
 #endif
   }();
   return perm;
+}
+
+bool w4a16_amx_fp16_available() {
+#if HF_W4_FP16_DECODE && defined(__linux__) && defined(__x86_64__)
+  static const bool ok = [] {
+    const char* e = std::getenv("HF_W4_AMX_FP16");  // "0": the fp32 decode (amx_small_folded) instead
+    if (e && *e == '0') return false;
+    unsigned a, b, c, d;
+    return w4a16_amx_available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 23));  // AVX512-FP16
+  }();
+  return ok;
+#else
+  return false;
+#endif
 }
 
 namespace {
@@ -264,7 +287,8 @@ inline bool small_tile_config(int64_t M) {
 // small M, so this is ~3x cheaper per weight than decoding with the scales folded in. A / C tiles have M (<= 16)
 // rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
 // the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
-// - slower than amx_nvfp4_stacked for M <= 8 and than the scale-folding decode for M > 8, e.g. M=16 1.9 vs
+// - slower than a stacked kernel (two 16-k blocks per tile product) for M <= 8 and than the scale-folding decode
+// for M > 8, e.g. M=16 1.9 vs
 // 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded.)
 template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
@@ -318,7 +342,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
 // with several row blocks; with one, its B tile loads come from L2 instead of L1. Measured (2 threads, K=N=4096,
 // cold, medians, three alternating runs, ms; small_folded / amx_impl): NVFP4 M=9 1.22-1.60 / 1.84-2.12,
 // M=16 1.28-1.64 / 1.92-2.19, M=32 1.53-2.29 / 2.86-3.57; int4 g16 M=8 1.32-1.56 / 1.97-2.08, M=32 2.17-2.47 /
-// 2.95-3.07. (For NVFP4 M <= 8 amx_nvfp4_stacked stays faster: M=5 0.95-1.35 vs 1.37-1.67.)
+// 2.95-3.07. (NVFP4 takes amx_small_nvfp4_fp16 where the CPU has AVX512-FP16.)
 template <int MODE>
 void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
   const int64_t KB = g.K / 32;
@@ -346,68 +370,94 @@ void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0
   _tile_release();
 }
 
-// NVFP4 with M <= 8: both 16-k blocks of a 32-k step in one tdpbf16ps. The A tile holds the rows twice (packed
-// by w4a16_amx_pack_a_stacked): rows 0..7 carry the step's first 16 k (the other 16 columns zero), rows 8..15
-// its second 16 k, so one full 16-row B tile of raw codes gives the two blocks' partial sums in separate C rows,
-// each then scaled by its own fp8 block scale (half the tile operations of 16-k steps with 8-row B tiles).
-void amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1) {
-  const int64_t K = g.K, G = g.G, KB = K / 32;
-  alignas(64) uint16_t lt[32];
-  for (int c = 0; c < 32; ++c) lt[c] = f32_to_bf16_bits(kE2M1[c & 15]);
-  const __m512i lut = _mm512_load_si512(lt);
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  for (int t = 0; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-  alignas(64) uint16_t bbuf[2][2 * 16 * 32];
-  alignas(64) float cb[16][32];
-  alignas(64) float acc[8][32];
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
-    std::memset(acc, 0, sizeof(acc));
-    decode_raw16(q, lut, bbuf[0]);
-    for (int64_t kb = 0; kb < KB; ++kb) {
-      if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
-      const uint16_t* b = bbuf[kb & 1];
-      _tile_zero(3); _tile_zero(4);
-      _tile_loadd(1, b, 64);
-      _tile_loadd(2, b + 512, 64);
-      _tile_loadd(0, xs2 + kb * 512, 64);
-      _tile_dpbf16ps(3, 0, 1);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
-      const int64_t so = (p * G + 2 * kb) * W4_NP;
-      __m512 s0, s1, t0, t1;
-      load_scales<W4_NVFP4>(g, so, s0, s1);
-      load_scales<W4_NVFP4>(g, so + W4_NP, t0, t1);
-      for (int64_t m = 0; m < M; ++m) {
-        __m512 v0 = _mm512_fmadd_ps(_mm512_load_ps(cb[m]), s0, _mm512_load_ps(acc[m]));
-        __m512 v1 = _mm512_fmadd_ps(_mm512_load_ps(cb[m] + 16), s1, _mm512_load_ps(acc[m] + 16));
-        _mm512_store_ps(acc[m], _mm512_fmadd_ps(_mm512_load_ps(cb[8 + m]), t0, v0));
-        _mm512_store_ps(acc[m] + 16, _mm512_fmadd_ps(_mm512_load_ps(cb[8 + m] + 16), t1, v1));
+#if HF_W4_FP16_DECODE
+#define HF_W4_FP16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512fp16,amx-tile,amx-bf16")))
+// NVFP4 decode with the block scale folded in at 5 vector operations per 32 weights (the fp32 decode of
+// FoldedDecoder takes about 8): e2m1 from a vpermw LUT as fp16, times the fp16 block scale (vmulph; exact: e2m1 x
+// e4m3 has at most 6 significant bits), and the fp16 bits moved into bf16 position by an arithmetic shift by 3
+// and a mask (sign kept, the fp16 exponent lands in the bf16 exponent field, the mantissa's low 3 bits are
+// zero). That bf16 is the product times 2^-112 (the exponent biases differ by 112), zero stays zero, so no
+// exponent has to be added (which would need a zero test); the scales carry 2^4 so that every product is a
+// normal fp16 (2^-6 .. 43008), making the B tiles hold w * 2^-108 exactly. The activations are packed multiplied
+// by 2^a_m per row (w4a16_amx_pack_a_pow2: max |x| -> ~2^100), so that no product of the tile multiply falls
+// below fp32's normal range, and the epilogue multiplies row m by 2^(108 - a_m) (vscalefps): bit for bit the
+// result of the unscaled product (power-of-two factors commute with every rounding while nothing under- or
+// overflows). Needs AVX512-FP16 (every AMX CPU so far has it; checked at run time).
+struct Fp16NvDecoder {
+  const W4Gemm& g;
+  __m512i lut, dlo, dhi;
+  HF_W4_FP16_TARGET explicit Fp16NvDecoder(const W4Gemm& gg) : g(gg) {
+    alignas(64) uint16_t lt[32], il[32], ih[32];
+    for (int c = 0; c < 32; ++c) {
+      lt[c] = static_cast<uint16_t>(_cvtss_sh(kE2M1[c & 15], 0));
+      il[c] = static_cast<uint16_t>(c / 2);
+      ih[c] = static_cast<uint16_t>(16 + c / 2);
+    }
+    lut = _mm512_load_si512(lt);
+    dlo = _mm512_load_si512(il);
+    dhi = _mm512_load_si512(ih);
+  }
+  // k-pairs kb .. kb + 15 of panel p -> two VNNI-2 B tiles (columns 0..15, 16..31)
+  HF_W4_FP16_TARGET inline void operator()(int64_t p, int64_t kb, uint16_t* dst) const {
+    const uint8_t* q = g.qpack + p * (g.K / 2) * W4_NP;
+    const uint8_t* sc = static_cast<const uint8_t*>(g.scales) + p * g.G * W4_NP;
+    const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x8fff));
+    for (int half = 0; half < 2; ++half) {  // one 16-k block (8 k-pairs) each
+      const int64_t j0 = kb + 8 * half;
+      // the 32 columns' scales as fp16 x 2^4 (exact; fp16 arithmetic handles denormals whatever MXCSR says)
+      const __m512i sh = _mm512_castph_si512(
+          _mm512_mul_ph(_mm512_castsi512_ph(fp8x32_to_ph_bits(sc + (j0 / 8) * W4_NP)), _mm512_set1_ph(4096.0f)));
+      const __m512h slo = _mm512_castsi512_ph(_mm512_permutexvar_epi16(dlo, sh));
+      const __m512h shi = _mm512_castsi512_ph(_mm512_permutexvar_epi16(dhi, sh));
+      for (int jj = 8 * half; jj < 8 * half + 8; ++jj) {
+        const __m512i b =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (kb + jj) * W4_NP)));
+        const __m512h vl = _mm512_castsi512_ph(_mm512_permutexvar_epi16(b, lut));
+        const __m512h vh = _mm512_castsi512_ph(_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+        const __m512i pl = _mm512_castph_si512(_mm512_mul_ph(vl, slo));
+        const __m512i ph = _mm512_castph_si512(_mm512_mul_ph(vh, shi));
+        _mm512_store_si512(dst + jj * 32, _mm512_and_si512(_mm512_srai_epi16(pl, 3), keep));
+        _mm512_store_si512(dst + 512 + jj * 32, _mm512_and_si512(_mm512_srai_epi16(ph, 3), keep));
       }
     }
-    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, acc[m], W4_NP);
+  }
+};
+
+// amx_small_folded for NVFP4 with the fp16 decode; xa packed by w4a16_amx_pack_a_pow2, rowe[m] = 108 - a_m
+HF_W4_FP16_TARGET void amx_small_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M,
+                                            int64_t p0, int64_t p1) {
+  const int64_t KB = g.K / 32;
+  const bool two = small_tile_config(M);
+  const Fp16NvDecoder decode(g);
+  alignas(64) uint16_t bbuf[2][2 * 16 * 32];
+  alignas(64) float cb[32][32];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (g.K / 2) * W4_NP;
+    _tile_zero(3); _tile_zero(4);
+    if (two) { _tile_zero(5); _tile_zero(6); }
+    prefetch_step(q);
+    decode(p, 0, bbuf[0]);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      if (kb + 1 < KB) {
+        prefetch_step(q + (kb + 1) * 512);
+        decode(p, 16 * (kb + 1), bbuf[(kb + 1) & 1]);
+      }
+      tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
+    }
+    _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
+    if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 e = _mm512_set1_ps(rowe[m]);
+      _mm512_store_ps(cb[m], _mm512_scalef_ps(_mm512_load_ps(cb[m]), e));
+      _mm512_store_ps(cb[m] + 16, _mm512_scalef_ps(_mm512_load_ps(cb[m] + 16), e));
+      store_row_avx512(g, m, p * W4_NP, cb[m], W4_NP);
+    }
   }
   _tile_release();
 }
+#endif
 
 }  // namespace
-
-void w4a16_amx_pack_a_stacked(const uint16_t* x, int64_t M, int64_t K, uint16_t* xs2) {
-  const int64_t KB = K / 32;
-  std::memset(xs2, 0, sizeof(uint16_t) * KB * 512);
-  for (int64_t kb = 0; kb < KB; ++kb)
-    for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(xs2 + kb * 512 + 32 * m, x + m * K + 32 * kb, 32);
-      std::memcpy(xs2 + kb * 512 + 32 * (8 + m) + 16, x + m * K + 32 * kb + 16, 32);
-    }
-}
-
-void w4a16_amx_nvfp4_stacked(const W4Gemm& g, const uint16_t* xs2, int64_t M, int64_t p0, int64_t p1) {
-  amx_nvfp4_stacked(g, xs2, M, p0, p1);
-}
 
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1) {
   const int64_t KB = K / 32;
@@ -420,6 +470,41 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
         else std::memset(d + 32 * r, 0, 64);
       }
     }
+}
+
+void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe) {
+  const int64_t KB = K / 32, MB = (M + 15) / 16;
+  for (int64_t mb = 0; mb < MB; ++mb)
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t m = 16 * mb + r;
+      if (m >= M) {
+        for (int64_t kb = 0; kb < KB; ++kb) std::memset(xa + (mb * KB + kb) * 512 + 32 * r, 0, 64);
+        continue;
+      }
+      const uint16_t* xr = x + m * K;
+      int emax = 0;  // largest biased exponent of the row (255: inf / nan)
+      for (int64_t k = 0; k < K; ++k) emax = std::max(emax, (xr[k] >> 7) & 0xff);
+      // a = 227 - emax puts max |x| at 2^100..2^101; capped at 127 (2^a must be an fp32) and 0 for inf / nan
+      const int a = emax == 255 ? 0 : std::min(127, 227 - emax);
+      rowe[m] = static_cast<float>(108 - a);
+      const __m512 f = _mm512_castsi512_ps(_mm512_set1_epi32((127 + a) << 23));
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const __m512i h = _mm512_loadu_si512(xr + 32 * kb);
+        const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm512_castsi512_si256(h)), 16)), f);
+        const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm512_extracti64x4_epi64(h, 1)), 16)), f);
+        _mm512_store_si512(xa + (mb * KB + kb) * 512 + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+}
+
+void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0, int64_t p1) {
+#if HF_W4_FP16_DECODE
+  amx_small_nvfp4_fp16(g, xa, rowe, M, p0, p1);
+#else
+  (void)g; (void)xa; (void)rowe; (void)M; (void)p0; (void)p1;
+#endif
 }
 
 // xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 with M <= 32

@@ -14,13 +14,14 @@
 namespace hf_w4 {
 namespace {
 
+// 8 fp8-e4m3 bytes -> fp32 through the fp16 bit pattern (exact, denormals included, whatever MXCSR.DAZ says)
 inline __m256 fp8x8_to_ps(const uint8_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
-  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
-  const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sgn)), _mm256_set1_ps(0x1p120f));
+  const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(v));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
 inline __m256i load8_u8_epi32(const uint8_t* p) {

@@ -145,11 +145,16 @@ bool amx_enabled() {
 //   nvfp4 fused fp32-FMA   0.72/0.78  0.79/0.87  1.24/1.30  2.38/2.57  3.63/4.32  7.3/8.5
 //   nvfp4 AMX raw codes    1.30/1.33  1.32/1.40  1.34/1.44  1.36/1.49  1.62/1.94  2.6/3.5
 //   (torch int4pack        0.73/0.82  1.04/1.10  1.42/1.49  2.77/2.91  4.80/5.38  9.4/10.7)
-// NVFP4 for M <= 8 then got the stacked kernel (two 16-k blocks per tile product, w4a16_amx_nvfp4_stacked);
-// same method, session 3 (min / median, ms):
+// NVFP4 for M <= 8 then got a stacked kernel (two 16-k blocks per tile product: rows 0..7 of the A tile the
+// first 16 k, rows 8..15 the second); same method, session 3 (min / median, ms):
 //   M                      1          2          3          4
 //   nvfp4 fused fp32-FMA   0.60/0.71  0.71/0.81  0.87/0.99  1.09/1.27
 //   nvfp4 AMX stacked      0.89/1.08  0.87/1.03  0.94/1.11  0.89/1.08   (M=8: 1.15/1.25; raw 8-row tiles 1.36/1.49)
+// With AVX512-FP16 as well (every AMX CPU so far), NVFP4 with M <= 32 takes the fp16 decode instead
+// (w4a16_amx_nvfp4_fp16), which was faster than the stacked kernel from M = 4 (one process, 2 threads, cold, ms;
+// stacked / fp16 decode): 4096x4096 M=5 0.577-0.606 / 0.577-0.598, M=8 0.641-0.677 / 0.573-0.589; 2048x2048 M=5
+// 0.156-0.163 / 0.141-0.144, M=8 0.172-0.178 / 0.141-0.146; the stacked kernel was then removed (without FP16 -
+// compilers before GCC 12, or HF_W4_AMX_FP16=0 - NVFP4 up to M = 32 takes amx_small_folded, the fp32 decode).
 // NVFP4 with M > 8 takes the scale-folding AMX kernels (amx_small_folded up to M = 32, then amx_impl) rather
 // than 16-k steps of raw codes with 8-row B tiles: M=16 1.66-1.75 (amx_impl) vs 1.88-1.96 ms, M=32 2.53-2.76 vs
 // 3.3 ms; amx_small_folded is faster still (w4a16_amx.cpp).
@@ -183,6 +188,9 @@ int64_t i16_block(const W4Gemm& g) {
 // -> up to M = 4 where AMX takes over; without AMX it replaces the fused fp32 kernel (~1.4x faster at M = 8-16).
 // AVX2 (same machine, isa capped; int16 / fused fp32 / dequantize + at::linear, ms): M=1 0.705 / 1.540 / -,
 // M=4 1.786 / 2.285 / -, M=16 8.36 / 9.84 / 9.39, M=64 26.7 / 32.1 / 10.7 -> up to M = 16.
+// NVFP4 with the fp16 decode on AMX (w4a16_amx_nvfp4_fp16) measured the same way (one process, ms; int16 / AMX):
+// 4096x4096 M=4 0.483 / 0.518, M=5 0.716 / 0.522; 2048x2048 M=4 0.130 / 0.139, M=5 0.189 / 0.140; 11008x4096 M=4
+// 1.325 / 1.415, M=5 1.953 / 1.442 -> the same crossover.
 int64_t i16_max_m(CpuIsa isa, bool amx) {
   if (isa == CpuIsa::avx2) return 16;
   return amx ? 4 : 32;
@@ -278,16 +286,15 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     at::Tensor bf;
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    if (mode == W4_NVFP4 && M <= 8) {
-      at::Tensor xs2 = at::empty({K * 16}, x.options().dtype(at::kBFloat16));
-      uint16_t* xp2 = reinterpret_cast<uint16_t*>(xs2.data_ptr());
-      w4a16_amx_pack_a_stacked(xs, M, K, xp2);
-      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_amx_nvfp4_stacked(g, xp2, M, p0, p1); });
-      return y;
-    }
     const int64_t MB = (M + 15) / 16;
     at::Tensor xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
     uint16_t* xap = reinterpret_cast<uint16_t*>(xa.data_ptr());
+    if (mode == W4_NVFP4 && M <= 32 && w4a16_amx_fp16_available()) {
+      std::vector<float> rowe(M);
+      w4a16_amx_pack_a_pow2(xs, M, K, xap, rowe.data());
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_amx_nvfp4_fp16(g, xap, rowe.data(), M, p0, p1); });
+      return y;
+    }
     at::parallel_for(0, MB, 1, [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a(xs, K, M, K, xap, b0, b1); });
     std::vector<float> xsum;
     if (mode == W4_ASYM && w4a16_amx_raw_ok(g, M))

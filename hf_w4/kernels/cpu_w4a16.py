@@ -10,8 +10,8 @@ M (AVX-512: up to 4 with AMX, 32 without; AVX2: up to 16), the activations becom
 power-of-two scale (exact for every element within 2^7 of its block's max) and meet the raw codes in vpdpwssd
 (AVX2: vpmaddwd), which streams the weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that. Up to
 M = 32 the weights stream through an L1 buffer one 32-k step at a time (int4 groups of a multiple of 32: code
-values straight into the tiles, scales on the accumulators; NVFP4 up to M = 8: two 16-k blocks stacked per tile
-product; otherwise decoded with the scales folded in); for larger M, blocks of panels are decoded once with the
+values straight into the tiles, scales on the accumulators; NVFP4 with AVX512-FP16: e2m1 x block scale as
+fp16 products moved into bf16 position; otherwise decoded with the scales folded in through fp32); for larger M, blocks of panels are decoded once with the
 scales folded in and every 32-row block runs over them. Otherwise (fp32 / fp16 activations, AVX2) a
 fused dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M
 (crossovers measured in csrc/cpu/w4a16_torch.cpp).
