@@ -110,6 +110,7 @@ def cmd_eval(a) -> int:
     if dist.main:
         _write_json(a.json, r)
         print(E.format_eval(r))
+    dist.close()   # not on an exception: the launcher stops the other ranks, a barrier here could wait forever
     return 0
 
 

@@ -132,6 +132,14 @@ class Dist:
             import torch.distributed as td
             td.barrier()
 
+    def close(self) -> None:
+        """Destroys the process group (after a barrier). Left for interpreter exit, gloo's teardown sometimes
+        aborted a rank after its work was done ("terminate called without an active exception", exit -6)."""
+        import torch.distributed as td
+        if self.world > 1 and td.is_available() and td.is_initialized():
+            td.barrier()
+            td.destroy_process_group()
+
     def __repr__(self) -> str:
         return f"Dist(rank={self.rank}, world={self.world})"
 
