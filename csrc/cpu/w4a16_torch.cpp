@@ -191,9 +191,15 @@ int64_t i16_block(const W4Gemm& g) {
 // NVFP4 with the fp16 decode on AMX (w4a16_amx_nvfp4_fp16) measured the same way (one process, ms; int16 / AMX):
 // 4096x4096 M=4 0.483 / 0.518, M=5 0.716 / 0.522; 2048x2048 M=4 0.130 / 0.139, M=5 0.189 / 0.140; 11008x4096 M=4
 // 1.325 / 1.415, M=5 1.953 / 1.442 -> the same crossover.
-int64_t i16_max_m(CpuIsa isa, bool amx) {
+// With the AMX small-M kernels double-buffered and prefetching (w4a16_amx.cpp), int4 on the raw-code AMX kernel
+// became faster at M = 4 (one process, 2 threads, cold, medians of 4 interleaved rounds, ms; int16 / AMX):
+//   4096x4096 0.435 / 0.392   2048x2048 0.113 / 0.104   8192x4096 0.816 / 0.796   11008x4096 1.081 / 1.037
+//   4096x11008 1.079 / 1.020  2048x8192 0.408 / 0.384   (M = 3, an earlier run: 11008x4096 0.943 / 1.119,
+//   4096x11008 0.935 / 1.045, 4096x4096 0.398 / 0.382) -> int4 groups of a multiple of 32: int16 up to M = 3.
+int64_t i16_max_m(CpuIsa isa, bool amx, const W4Gemm& g) {
   if (isa == CpuIsa::avx2) return 16;
-  return amx ? 4 : 32;
+  if (!amx) return 32;
+  return w4a16_amx_raw_ok(g, 4) ? 3 : 4;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
@@ -258,7 +264,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   const int64_t ag = isa != CpuIsa::generic ? i16_block(g) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
-  if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok)))) {
+  if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok, g)))) {
     const int64_t nab = K / ag;
     at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
     at::Tensor xs = at::empty({M, nab}, x.options().dtype(at::kFloat));
