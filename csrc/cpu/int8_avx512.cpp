@@ -26,6 +26,13 @@
 #ifndef HF_PF8
 #define HF_PF8 4096
 #endif
+// Also prefetched into L2 HF_PFF bytes ahead (int8 panels: twice that), as the W4A16 int16 kernel does
+// (kW4PrefetchFarBytes). Builds alternated twice, 4096x4096, 2 threads, cold, medians of 2 interleaved rounds, ms,
+// without / with: W8A8 M=1 0.657-0.661 / 0.625-0.635, M=4 0.700-0.702 / 0.626-0.641 (zentorch W8A8 0.662-0.669 /
+// 0.773-0.797); W4A8 M=1 0.349-0.350 / 0.337-0.339, M=4 0.385-0.388 / 0.358-0.362.
+#ifndef HF_PFF
+#define HF_PFF 32768
+#endif
 
 namespace hf_w4_int8 {
 namespace {
@@ -120,6 +127,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
           _mm_prefetch((const char*)B + HF_PF8 + 64, _MM_HINT_T0);
           _mm_prefetch((const char*)B + HF_PF8 + 128, _MM_HINT_T0);
           _mm_prefetch((const char*)B + HF_PF8 + 192, _MM_HINT_T0);
+          for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
         }
         const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
         const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);
@@ -135,6 +143,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
         _mm_prefetch((const char*)B + HF_PF + 64, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
         HF_OTF_J(0) HF_OTF_J(1) HF_OTF_J(2) HF_OTF_J(3)
         A += 2 * MRA * 4;
         B += 256;
