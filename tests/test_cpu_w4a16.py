@@ -413,9 +413,10 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
 def test_amx_nvfp4_fp32_decode_fallback():
-    """HF_W4_AMX_FP16=0 (read once per process, so in a subprocess): NVFP4 with M <= 32 on AMX takes the fp32
-    decode (amx_small_folded), as on a build without AVX512-FP16; its results are bit for bit those of the fp16
-    decode (both round the same exact products), checked here for M = 1, 4, 9, 16, 17, 32."""
+    """HF_W4_AMX_FP16=0 (read once per process, so in a subprocess): NVFP4 on AMX takes the fp32 decode
+    (amx_small_folded up to M = 32, the blocked kernel's FoldedDecoder above), as on a build without AVX512-FP16;
+    its results are bit for bit those of the fp16 decode (both round the same exact products), checked here for
+    M = 1, 4, 9, 16, 17, 32, 33, 70."""
     import os
     import subprocess
     import sys
@@ -428,7 +429,7 @@ def test_amx_nvfp4_fp32_decode_fallback():
         "q, s, z, perm = prep(qw)\n"
         "gen = torch.Generator().manual_seed(42)\n"
         "out = [ops.cpu_w4a16_gemm(torch.randn(M, 512, generator=gen).to(torch.bfloat16), q, s, z, 200, 16, 'nvfp4',"
-        " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32)]\n"
+        " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32, 33, 70)]\n"
         "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
     outs = []
     for flag in ("1", "0"):

@@ -92,13 +92,13 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
 // the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
 bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);
-// NVFP4 with M <= 32 when the CPU also has AVX512-FP16 (w4a16_amx_fp16_available; HF_W4_AMX_FP16=0 in the
-// environment says no): a cheaper decode with the block scales folded in (fp16 products moved into bf16 position,
-// w * 2^-108). The activations are packed by
-// w4a16_amx_pack_a_pow2 (as w4a16_amx_pack_a, all 16-row blocks, each row multiplied by 2^a_m; rowe fp32 [M] =
-// 108 - a_m, the exponent the kernel's epilogue restores).
+// NVFP4 when the CPU also has AVX512-FP16 (w4a16_amx_fp16_available; HF_W4_AMX_FP16=0 in the environment says
+// no): a cheaper decode with the block scales folded in (fp16 products moved into bf16 position, w * 2^-108), for
+// every M that takes AMX. The activations are packed by w4a16_amx_pack_a_pow2 (as w4a16_amx_pack_a, 16-row blocks
+// [mb0, mb1), each row multiplied by 2^a_m; rowe fp32 [M] = 108 - a_m, the exponent the epilogue restores).
 bool w4a16_amx_fp16_available();
-void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe);
+void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe, int64_t mb0,
+                           int64_t mb1);
 void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0, int64_t p1);
 
 // ---- dequantize panels [p0, p1) to the dense *transposed* weight (all scales and the global scale folded

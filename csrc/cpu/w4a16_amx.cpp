@@ -10,8 +10,8 @@
 // over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
 // prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
 // products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
-// scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products), the rest
-// in amx_small_folded. With one
+// scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products, also
+// the decoder of the blocked kernel for NVFP4), the rest in amx_small_folded. With one
 // buffer, decode and tiles took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every
 // line of the step prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
@@ -152,11 +152,13 @@ struct FoldedDecoder {
   }
 };
 
-template <int MODE>
-void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
+// decode: a decoder as FoldedDecoder (or Fp16NvDecoder, then rowe holds each row's exponent to restore, else null).
+// Always inlined into amx_impl and amx_impl_nvfp4_fp16 (compiled for AVX512-FP16, so its decoder inlines too).
+template <class Decoder>
+__attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const Decoder& decode, const uint16_t* xa,
+                                                       const float* rowe, int64_t M, int64_t p0, int64_t p1) {
   // tiles: 0 / 7 = A of the two 16-row blocks, 1-2 = B (columns 0..15, 16..31), 3-4 / 5-6 = C
   const int64_t KB = g.K / 32, MB = (M + 15) / 16;
-  const FoldedDecoder<MODE> decode(g);
   TileCfg cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
@@ -166,8 +168,15 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
   auto epilogue = [&](int64_t p, int64_t mb, bool two) {
     _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
     if (two) { _tile_stored(5, &cbuf[1][0][0], 128); _tile_stored(6, &cbuf[1][0][16], 128); }
-    for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
-      store_row_avx512(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], W4_NP);
+    for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m) {
+      float* c = cbuf[(m - 16 * mb) >> 4][m & 15];
+      if (rowe) {
+        const __m512 e = _mm512_set1_ps(rowe[m]);
+        _mm512_store_ps(c, _mm512_scalef_ps(_mm512_load_ps(c), e));
+        _mm512_store_ps(c + 16, _mm512_scalef_ps(_mm512_load_ps(c + 16), e));
+      }
+      store_row_avx512(g, m, p * W4_NP, c, W4_NP);
+    }
   };
   // Decode a block of NB panels x one K chunk of at most 2048 k (NB * KC * 64 bytes, 1 MiB, stays in L2) once,
   // then run every 32-row block of the (tile-packed) activations over it. With K > 2048 the C tiles are
@@ -237,6 +246,11 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
     }
   }
   _tile_release();
+}
+
+template <int MODE>
+void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_t p1) {
+  amx_blocked(g, FoldedDecoder<MODE>(g), xa, nullptr, M, p0, p1);
 }
 
 // Prefetches the packed codes of the 32-k step kW4PrefetchBytes after qk into L1, all 8 of its cache lines, and
@@ -444,6 +458,12 @@ HF_W4_FP16_TARGET void amx_small_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa,
                           int64_t p1) {
   amx_small_stream(g, Fp16NvDecoder(g), xa, rowe, M, p0, p1);
 }
+
+// amx_impl for NVFP4 with the fp16 decode (M > 32)
+HF_W4_FP16_TARGET void amx_impl_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M,
+                                           int64_t p0, int64_t p1) {
+  amx_blocked(g, Fp16NvDecoder(g), xa, rowe, M, p0, p1);
+}
 #endif
 
 }  // namespace
@@ -461,9 +481,10 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
     }
 }
 
-void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe) {
-  const int64_t KB = K / 32, MB = (M + 15) / 16;
-  for (int64_t mb = 0; mb < MB; ++mb)
+void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa, float* rowe, int64_t mb0,
+                           int64_t mb1) {
+  const int64_t KB = K / 32;
+  for (int64_t mb = mb0; mb < mb1; ++mb)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t m = 16 * mb + r;
       if (m >= M) {
@@ -490,7 +511,8 @@ void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa
 
 void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0, int64_t p1) {
 #if HF_W4_FP16_DECODE
-  amx_small_nvfp4_fp16(g, xa, rowe, M, p0, p1);
+  if (M <= 32) amx_small_nvfp4_fp16(g, xa, rowe, M, p0, p1);
+  else amx_impl_nvfp4_fp16(g, xa, rowe, M, p0, p1);
 #else
   (void)g; (void)xa; (void)rowe; (void)M; (void)p0; (void)p1;
 #endif
