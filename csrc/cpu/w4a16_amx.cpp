@@ -259,7 +259,9 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
 // double-buffered decode: int4 M=4 0.437 / 0.423, M=16 0.552 / 0.508, 2048x2048 M=4 0.126 / 0.108. The L2
 // prefetch, builds alternated twice, without / with: int4 M=8 0.505-0.506 / 0.449-0.457, M=16 0.544-0.548 /
 // 0.519-0.536, NVFP4 M=8 0.687-0.700 / 0.658-0.686, M=16 0.743-0.774 / 0.720-0.731.)
-inline void prefetch_step(const uint8_t* qk) {
+// (always_inline: GCC 12 dropped these prefetches where a plain inline prefetch_step was inlined into the
+// always_inline loops below - no prefetch instruction left in the binary)
+__attribute__((always_inline)) inline void prefetch_step(const uint8_t* qk) {
   const char* p = reinterpret_cast<const char*>(qk) + kW4PrefetchBytes;
   for (int i = 0; i < 8; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
   const char* f = reinterpret_cast<const char*>(qk) + kW4PrefetchFarBytes;
