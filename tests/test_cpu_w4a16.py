@@ -412,7 +412,7 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
-def test_amx_nvfp4_fp32_decode_fallback():
+def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
     """HF_W4_AMX_FP16=0 (read once per process, so in a subprocess): NVFP4 on AMX takes the fp32 decode
     (amx_small_folded up to M = 32, the blocked kernel's FoldedDecoder above), as on a build without AVX512-FP16;
     its results are bit for bit those of the fp16 decode (both round the same exact products), checked here for
@@ -433,10 +433,9 @@ def test_amx_nvfp4_fp32_decode_fallback():
         "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
     outs = []
     for flag in ("1", "0"):
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hf_w4_fp16_{os.getpid()}_{flag}.pt")
+        path = tmp_path / f"out_{flag}.pt"
         env = dict(os.environ, HF_W4_AMX_FP16=flag)
-        subprocess.run([sys.executable, "-c", code, path], check=True, env=env)
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
         outs.append(torch.load(path))
-        os.remove(path)
     for a, b in zip(*outs):
         assert torch.equal(a, b)

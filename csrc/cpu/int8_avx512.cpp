@@ -529,7 +529,8 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
   // source bytes of one slice, at least HF_PFF (int8: twice that; a 128-k int4 slice is only 4 KiB). 4096x4096,
   // 2 threads, cold, builds alternated, ms, W4A8 M=16 one slice / 32 KiB: 0.494, 0.452, 0.483, 0.447 / 0.440,
   // 0.440, 0.440, 0.461; M=8 0.440, 0.420 / 0.433, 0.414.
-  const int64_t far = g.wtype == W_INT8 ? std::max<int64_t>(kc * NR, 2 * HF_PFF) : std::max<int64_t>(kc * NR / 2, HF_PFF);
+  const int64_t far =
+      g.wtype == W_INT8 ? std::max<int64_t>(kc * NR, 2 * HF_PFF) : std::max<int64_t>(kc * NR / 2, HF_PFF);
   amx_convert(p, Bp, Zp, !ZC, 0, kc < Kp ? kc : Kp, bufs, 0, far);
   for (int64_t k0 = 0, sl = 0; k0 < Kp; k0 += kc, ++sl) {
     const int64_t k1 = k0 + kc < Kp ? k0 + kc : Kp;

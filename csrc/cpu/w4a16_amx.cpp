@@ -11,9 +11,9 @@
 // prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
 // products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
 // scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products, also
-// the decoder of the blocked kernel for NVFP4), the rest in amx_small_folded. With one
-// buffer, decode and tiles took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every
-// line of the step prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
+// the decoder of the blocked kernel for NVFP4), the rest in amx_small_folded. With one buffer, decode and tiles
+// took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every line of the step
+// prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
 // oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k chunks with the C tiles spilled to L1 (1.3-2x
 // slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart
@@ -154,6 +154,17 @@ struct FoldedDecoder {
 
 // decode: a decoder as FoldedDecoder (or Fp16NvDecoder, then rowe holds each row's exponent to restore, else null).
 // Always inlined into amx_impl and amx_impl_nvfp4_fp16 (compiled for AVX512-FP16, so its decoder inlines too).
+// One output row of a C tile pair (c: 32 fp32, 64-byte aligned): multiplied by 2^rowe[m] first where rowe is given
+// (the fp16 decode's B tiles hold w * 2^-108 and its activation rows are scaled; see Fp16NvDecoder), then stored.
+inline void store_c_row(const W4Gemm& g, int64_t m, int64_t n0, float* c, const float* rowe) {
+  if (rowe) {
+    const __m512 e = _mm512_set1_ps(rowe[m]);
+    _mm512_store_ps(c, _mm512_scalef_ps(_mm512_load_ps(c), e));
+    _mm512_store_ps(c + 16, _mm512_scalef_ps(_mm512_load_ps(c + 16), e));
+  }
+  store_row_avx512(g, m, n0, c, W4_NP);
+}
+
 template <class Decoder>
 __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const Decoder& decode, const uint16_t* xa,
                                                        const float* rowe, int64_t M, int64_t p0, int64_t p1) {
@@ -168,15 +179,8 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
   auto epilogue = [&](int64_t p, int64_t mb, bool two) {
     _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
     if (two) { _tile_stored(5, &cbuf[1][0][0], 128); _tile_stored(6, &cbuf[1][0][16], 128); }
-    for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m) {
-      float* c = cbuf[(m - 16 * mb) >> 4][m & 15];
-      if (rowe) {
-        const __m512 e = _mm512_set1_ps(rowe[m]);
-        _mm512_store_ps(c, _mm512_scalef_ps(_mm512_load_ps(c), e));
-        _mm512_store_ps(c + 16, _mm512_scalef_ps(_mm512_load_ps(c + 16), e));
-      }
-      store_row_avx512(g, m, p * W4_NP, c, W4_NP);
-    }
+    for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
+      store_c_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], rowe);
   };
   // Decode a block of NB panels x one K chunk of at most 2048 k (NB * KC * 64 bytes, 1 MiB, stays in L2) once,
   // then run every 32-row block of the (tile-packed) activations over it. With K > 2048 the C tiles are
@@ -304,8 +308,7 @@ inline bool small_tile_config(int64_t M) {
 // rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
 // the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
 // - slower than a stacked kernel (two 16-k blocks per tile product) for M <= 8 and than the scale-folding decode
-// for M > 8, e.g. M=16 1.9 vs
-// 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded.)
+// for M > 8, e.g. M=16 1.9 vs 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded.)
 template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / 32;
@@ -364,8 +367,8 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
 // Always inlined, so that the fp16 kernel (compiled for AVX512-FP16) inlines its decoder too (called instead, the
 // decoder cost ~5%: 2048x2048 NVFP4 M=16, 1 thread, hot, 0.232-0.236 vs 0.223 ms).
 template <class Decoder>
-__attribute__((always_inline)) inline void amx_small_stream(const W4Gemm& g, const Decoder& decode, const uint16_t* xa, const float* rowe, int64_t M,
-                      int64_t p0, int64_t p1) {
+__attribute__((always_inline)) inline void amx_small_stream(const W4Gemm& g, const Decoder& decode, const uint16_t* xa,
+                                                            const float* rowe, int64_t M, int64_t p0, int64_t p1) {
   const int64_t KB = g.K / 32;
   const bool two = small_tile_config(M);
   alignas(64) uint16_t bbuf[2][2 * 16 * 32];
@@ -385,14 +388,7 @@ __attribute__((always_inline)) inline void amx_small_stream(const W4Gemm& g, con
     }
     _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
     if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
-    for (int64_t m = 0; m < M; ++m) {
-      if (rowe) {
-        const __m512 e = _mm512_set1_ps(rowe[m]);
-        _mm512_store_ps(cb[m], _mm512_scalef_ps(_mm512_load_ps(cb[m]), e));
-        _mm512_store_ps(cb[m] + 16, _mm512_scalef_ps(_mm512_load_ps(cb[m] + 16), e));
-      }
-      store_row_avx512(g, m, p * W4_NP, cb[m], W4_NP);
-    }
+    for (int64_t m = 0; m < M; ++m) store_c_row(g, m, p * W4_NP, cb[m], rowe);
   }
   _tile_release();
 }
@@ -403,7 +399,8 @@ void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0
 }
 
 #if HF_W4_FP16_DECODE
-#define HF_W4_FP16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512fp16,amx-tile,amx-bf16")))
+#define HF_W4_FP16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512fp16,amx-tile,amx-bf16")))
 // NVFP4 decode with the block scale folded in at 5 vector operations per 32 weights (the fp32 decode of
 // FoldedDecoder takes about 8): e2m1 from a vpermw LUT as fp16, times the fp16 block scale (vmulph; exact: e2m1 x
 // e4m3 has at most 6 significant bits), and the fp16 bits moved into bf16 position by an arithmetic shift by 3
@@ -456,8 +453,8 @@ struct Fp16NvDecoder {
 };
 
 // amx_small_folded for NVFP4 with the fp16 decode; xa packed by w4a16_amx_pack_a_pow2, rowe[m] = 108 - a_m
-HF_W4_FP16_TARGET void amx_small_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0,
-                          int64_t p1) {
+HF_W4_FP16_TARGET void amx_small_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M,
+                                            int64_t p0, int64_t p1) {
   amx_small_stream(g, Fp16NvDecoder(g), xa, rowe, M, p0, p1);
 }
 

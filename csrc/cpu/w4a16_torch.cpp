@@ -300,7 +300,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     // 4096x11008 M=64 4.49 / 3.96-4.35, M=256 11.1 / 10.3-10.9)
     if (mode == W4_NVFP4 && w4a16_amx_fp16_available()) {
       std::vector<float> rowe(M);
-      at::parallel_for(0, MB, 1, [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a_pow2(xs, M, K, xap, rowe.data(), b0, b1); });
+      at::parallel_for(0, MB, 1,
+                       [&](int64_t b0, int64_t b1) { w4a16_amx_pack_a_pow2(xs, M, K, xap, rowe.data(), b0, b1); });
       at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { w4a16_amx_nvfp4_fp16(g, xap, rowe.data(), M, p0, p1); });
       return y;
     }

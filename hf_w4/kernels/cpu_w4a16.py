@@ -39,8 +39,8 @@ class CpuW4A16Kernel(Kernel):
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
-                   "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 4 (int4, groups of a multiple of 32) or 5; fused AVX-512 / AVX2 / portable "
-                   "fp32 decode for small M, dequantize + bf16 GEMM for large M")
+                   "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 4 (int4, groups of a multiple of 32) "
+                   "or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M, dequantize + bf16 GEMM for large M")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
