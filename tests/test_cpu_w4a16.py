@@ -134,8 +134,14 @@ def _cases():
     return cases
 
 
+def _nvfp4_act_block(k):
+    """the int16 path's activation block for NVFP4: 64 where it divides K (AVX-512; AVX2 uses 16, which the budget
+    of the larger block covers)"""
+    return 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+
+
 def _group(qw, k):
-    return 16 if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
+    return _nvfp4_act_block(k) if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
 
 
 @pytest.mark.parametrize("layout,sym,ao,zp1,n,k,gs,seed", _cases())
@@ -369,9 +375,28 @@ def test_int16_path_activation_blocks(isa, k, gs):
         check(y, x, W, bias, False, f"{isa} K={k} g={gs} M={M}", i16_group=_group(qw, k))
 
 
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+@pytest.mark.parametrize("k", [80, 96, 640])
+def test_int16_path_nvfp4_activation_blocks(isa, k):
+    """NVFP4 on the int16 path: activation blocks of 16 (K = 80), 32 (K = 96) and 64 (K = 640) k with AVX-512 (the
+    activation scale taken once per block, the 16-k weight block scales inside it); 16 with AVX2. Rows of very
+    different magnitude, with bias."""
+    n = 72
+    spec, qw = make_qweight("ct_nvfp4", n, k, 16, seed=k)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for M in (1, 2, 3, 4, 7):
+        x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
+        x = x.to(torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
+        check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=_nvfp4_act_block(k))
+
+
 @pytest.mark.parametrize("flush_denormal", [False, True])
 def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
-    """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9) decode exactly on every path, also with
+    """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9), or negative, decode exactly on every path, also with
     torch.set_flush_denormal(True) (MXCSR.DAZ: an fp32 denormal built on the way used to read as 0), and the
     AMX path that moves fp16 products into bf16 position (w * 2^-108, rows of x scaled by powers of two) keeps the
     budget for rows of very different magnitude (1e-30 .. 1e30, zeros, bf16 denormals) and gives non-finite
@@ -382,6 +407,8 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
     codes = torch.randint(0, 16, (n, k), generator=gen)
     scales = torch.rand(n, k // 16, generator=gen) * 3 + 0.05
     scales[:, 1::2] = torch.randint(1, 8, (n, k // 32), generator=gen).float() * 2.0 ** -9   # e4m3 denormals
+    scales[::3, 2::3] *= -1   # negative scales: the repack moves their sign into the codes
+    scales[1, 5] = -0.0
     qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
     W = layouts.dequantize(qw)
     q, s, z, perm = prep(qw)
@@ -400,13 +427,13 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
                     what = f"nvfp4 denormal scales M={M} isa={isa} path={path} flush={flush_denormal}"
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                            path=path)
-                    check(y, x, W, None, path in (-1, 2) and M > 4, what, i16_group=16 if path in (-1, 3) else None)
+                    check(y, x, W, None, path in (-1, 2) and M > 4, what, i16_group=_nvfp4_act_block(k) if path in (-1, 3) else None)
                     yi = ops.cpu_w4a16_gemm(xinf, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                             path=path)
                     ref = F.linear(xinf.float(), W)
                     assert torch.equal(torch.isfinite(yi.float()), torch.isfinite(ref)), what + " (inf in x)"
                     check(yi[:M - 1], xinf[:M - 1], W, None, path in (-1, 2) and M > 4, what + " (inf in x)",
-                          i16_group=16 if path in (-1, 3) else None)
+                          i16_group=_nvfp4_act_block(k) if path in (-1, 3) else None)
     finally:
         torch.set_flush_denormal(False)
 

@@ -11,6 +11,7 @@
 
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "avx512_convert.h"
 #include "int8_gemm.h"
 
@@ -377,12 +378,6 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
-struct alignas(64) TileCfg {
-  uint8_t palette, start_row, rsv[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Packed-K slice converted at a time: 512 (32 KiB of B tiles) for row chunks of more than 32 rows, 128 (8 KiB)
 // for up to 32. With one or two 16-row blocks every B tile is used once or twice, and the two 32 KiB slice buffers
 // plus the activations pushed the tile loads out to L2; with 8 KiB slices the B tiles are read from L1.
@@ -636,14 +631,12 @@ HF_TAMX bool amx_zeros_fold(const int32_t* Zp, int64_t n) {
 }
 
 HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  hf_w4::TileCfg cfg = hf_w4::tile_config();
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  hf_w4::load_tile_config(cfg);
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t pn = it % p.g.P;
     if (p.zeros && !amx_zeros_fold(p.zeros + pn * p.g.G * NR, p.g.G * NR)) amx_item<true>(p, it);

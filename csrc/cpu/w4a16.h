@@ -10,7 +10,9 @@
 //          broadcast activation pair (x[k], x[k+1]); zero-extended to 16-bit lanes the same bytes are bf16
 //          VNNI-2 operands (for a future vdpbf16ps / AMX path).
 //          When an act-order permutation is given, k counts the permuted order (y = x[:, perm] W'^T).
-//   scales float [P][G][32] (int4) or uint8 fp8-e4m3 bytes [P][G][32] (nvfp4, G = K/16).
+//   scales float [P][G][32] (int4) or uint8 fp8-e4m3 bytes [P][G][32] (nvfp4, G = K/16) with the sign bit clear:
+//          a negative block scale's sign is moved into its 16 codes (e2m1 is sign-magnitude: code bit 3), so that
+//          the AVX-512 kernels turn a scale byte into fp16 bits with one shift (b << 7 = scale / 2^8).
 //   zs     float [P][G][32] = zero * scale (asymmetric int4 only; else absent).
 // Math: y[m, n] = gscale * sum_g ( s[n,g] * sum_{k in g} x[m,k] * lut(code) - zs[n,g] * sum_{k in g} x[m,k] )
 //   lut: sym int4 -> code - 8, asym int4 -> code, nvfp4 -> e2m1(code).
@@ -52,6 +54,9 @@ struct W4Repack {
   int64_t pack_n_from;                     // pack_n codes: panels below this are written elsewhere (SIMD path)
 };
 void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1);
+// nvfp4, after w4a16_repack_panels (and any SIMD code path) wrote panels [p0, p1): clears the sign bit of every
+// block scale, flipping the sign bit of its 16 codes where it was set (-0 included, which then reads +0)
+void w4a16_nvfp4_positive_scales(const W4Repack& r, int64_t p0, int64_t p1);
 // AVX2 fast path for AWQ codes (pack_n, slots {0,4,1,5,2,6,3,7}, no perm): codes of the full panels [p0, p1)
 // only (the caller guarantees 32 * p1 <= N); scales / zeros and partial panels stay with w4a16_repack_panels.
 bool w4a16_is_awq_slots(const int slots[8]);
@@ -68,9 +73,10 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 
 // avx512 + VNNI, 16-bit activations: x quantized per (row, block of ag k) to int16 with a power-of-two scale
 // (w4a16_quant_x16_avx512: xq int16 [M][K], xs fp32 [M][K/ag] = scale, xd int32 [M][K/ag] = sum of the block's
-// int16 values; returns false if x holds inf / nan). ag divides the group size (NVFP4: 16) and is at most 4096, so
-// the int32 sums cannot overflow. Exact for every element within 2^7 (bf16) / 2^4 (fp16) of its block's max;
-// smaller ones are off by at most 2^-16 of that max.
+// int16 values; returns false if x holds inf / nan). int4: ag divides the group size and is at most 4096, so the
+// int32 sums cannot overflow. NVFP4: ag is 16 (AVX2) or a multiple of 16 dividing K (AVX-512: 64 where it can),
+// the int32 sums run over one 16-k block (e2m1 x 2^8 <= 1536: |sum| < 2^30). Exact for every element within 2^7
+// (bf16) / 2^4 (fp16) of its block's max; smaller ones are off by at most 2^-16 of that max.
 bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
                             int32_t* xd);
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -79,12 +80,6 @@ bool w4a16_amx_fp16_available() {
 }
 
 namespace {
-
-struct alignas(64) TileCfg {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // One 32-k step of the 2 x 2 register blocking: B tiles 1, 2 (columns 0..15, 16..31) from b, b + 512; A tile 0
 // (rows 0..15) from a0 and, when two, A tile 7 (rows 16..31) from a1; C tiles 3, 4 (and 5, 6) accumulate.
@@ -170,11 +165,9 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
                                                        const float* rowe, int64_t M, int64_t p0, int64_t p1) {
   // tiles: 0 / 7 = A of the two 16-row blocks, 1-2 = B (columns 0..15, 16..31), 3-4 / 5-6 = C
   const int64_t KB = g.K / 32, MB = (M + 15) / 16;
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  TileCfg cfg = tile_config();
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   alignas(64) float cbuf[2][16][32];
   auto epilogue = [&](int64_t p, int64_t mb, bool two) {
     _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
@@ -289,15 +282,13 @@ inline void decode_raw16(const uint8_t* qk, const __m512i lut, uint16_t* bbuf) {
 inline bool small_tile_config(int64_t M) {
   const bool two = M > 16;
   const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : 16;
-  TileCfg cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  TileCfg cfg = tile_config();
   cfg.rows[0] = r0; cfg.colsb[0] = 64;             // A, rows 0..15
   cfg.rows[7] = r1; cfg.colsb[7] = 64;             // A, rows 16..
   cfg.rows[1] = cfg.rows[2] = 16; cfg.colsb[1] = cfg.colsb[2] = 64;
   cfg.rows[3] = cfg.rows[4] = r0; cfg.colsb[3] = cfg.colsb[4] = 64;
   cfg.rows[5] = cfg.rows[6] = r1; cfg.colsb[5] = cfg.colsb[6] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   return two;
 }
 

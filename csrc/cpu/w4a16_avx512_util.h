@@ -10,29 +10,18 @@
 namespace hf_w4 {
 namespace {
 
-// 16 fp8-e4m3 bytes -> fp32 (exact; NVFP4 scales are non-negative, the sign is kept anyway). Through the fp16 bit
-// pattern (e4m3 = fp16 with the exponent bias 8 lower): vcvtph2ps converts fp16 denormals exactly whatever
-// MXCSR.DAZ says, whereas building the fp32 denormal and multiplying it up returned 0 for the e4m3 denormals
-// (scales below 2^-6) under torch.set_flush_denormal(True).
+// fp8-e4m3 block scales of the kernel layout (sign bit clear, see w4a16.h) -> fp16 bits, value / 2^8, exact:
+// e4m3 is fp16 with the exponent bias 8 lower and 7 fewer mantissa bits, so b << 7 is the fp16 pattern (denormals
+// included). vcvtph2ps then converts fp16 denormals exactly whatever MXCSR.DAZ says (building the fp32 denormal
+// and multiplying it up returned 0 for the e4m3 denormals, scales below 2^-6, under torch.set_flush_denormal(True)).
 inline __m512 fp8x16_to_ps(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
-// 32 fp8-e4m3 bytes -> their fp16 bit patterns, value / 2^8 (exact, denormals included)
+// 32 such bytes -> their fp16 bit patterns (value / 2^8)
 inline __m512i fp8x32_to_ph_bits(const uint8_t* p) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7),
-                         _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
-}
-
-inline void fp8x32_to_ps(const uint8_t* p, float factor, __m512& s0, __m512& s1) {
-  const __m512i h = fp8x32_to_ph_bits(p);
-  const __m512 f = _mm512_set1_ps(factor);
-  s0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), f);
-  s1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), f);
+  return _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7);
 }
 
 // the 32 columns' group scales at offset so of g.scales (fp32, or NVFP4 fp8 bytes) -> columns 0..15, 16..31

@@ -244,6 +244,27 @@ void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
   }
 }
 
+void w4a16_nvfp4_positive_scales(const W4Repack& r, int64_t p0, int64_t p1) {
+  const int64_t K = r.K, G = r.G;
+  for (int64_t p = p0; p < p1; ++p) {
+    uint8_t* sc = static_cast<uint8_t*>(r.out_scales) + p * G * W4_NP;
+    uint8_t* q = r.qpack + p * (K / 2) * W4_NP;
+    for (int64_t gi = 0; gi < G; ++gi)
+      for (int c = 0; c < W4_NP; ++c) {
+        uint8_t& s = sc[gi * W4_NP + c];
+        if (!(s & 0x80)) continue;
+        s &= 0x7f;
+        // column c: byte 2(c % 16) + parity of each k-pair row, low nibble for c < 16, else high
+        const uint8_t flip = c < 16 ? 0x08 : 0x80;
+        const int i = 2 * (c % 16);
+        for (int64_t j = gi * 8; j < gi * 8 + 8; ++j) {
+          q[j * W4_NP + i] ^= flip;
+          q[j * W4_NP + i + 1] ^= flip;
+        }
+      }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // portable fused kernel (fp32 activations)
 void w4a16_fused_generic(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
