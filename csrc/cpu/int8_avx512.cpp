@@ -554,10 +554,10 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           const int64_t co[4] = {0, 16, two ? 16 * NR : 32, two ? 16 * NR + 16 : 48};
           int32_t* ci = Ci ? Ci + rb * 16 * NR + 32 * h : nullptr;
           if (cont) {
-            _tile_loadd(0, ci + co[0], NR * 4);
-            _tile_loadd(1, ci + co[1], NR * 4);
-            _tile_loadd(2, ci + co[2], NR * 4);
-            _tile_loadd(3, ci + co[3], NR * 4);
+            HF_TILE_LOAD(0, ci + co[0], NR * 4);
+            HF_TILE_LOAD(1, ci + co[1], NR * 4);
+            HF_TILE_LOAD(2, ci + co[2], NR * 4);
+            HF_TILE_LOAD(3, ci + co[3], NR * 4);
           } else {
             _tile_zero(0);
             _tile_zero(1);
@@ -566,23 +566,23 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
           }
           for (int64_t kt = kt0; kt < gs1 / 64; ++kt) {
             const int8_t* Bk = buf + (kt - k0 / 64) * 4096 + 2048 * h;
-            _tile_loadd(4, A0 + kt * 1024, 64);
+            HF_TILE_LOAD(4, A0 + kt * 1024, 64);
             if (two) {
-              _tile_loadd(6, Bk, 64);
+              HF_TILE_LOAD(6, Bk, 64);
               _tile_dpbssd(0, 4, 6);
-              _tile_loadd(7, Bk + 1024, 64);
+              HF_TILE_LOAD(7, Bk + 1024, 64);
               _tile_dpbssd(1, 4, 7);
-              _tile_loadd(5, A1 + kt * 1024, 64);
+              HF_TILE_LOAD(5, A1 + kt * 1024, 64);
               _tile_dpbssd(2, 5, 6);
               _tile_dpbssd(3, 5, 7);
             } else {
-              _tile_loadd(5, Bk, 64);
+              HF_TILE_LOAD(5, Bk, 64);
               _tile_dpbssd(0, 4, 5);
-              _tile_loadd(6, Bk + 1024, 64);
+              HF_TILE_LOAD(6, Bk + 1024, 64);
               _tile_dpbssd(1, 4, 6);
-              _tile_loadd(7, Bk + 2048, 64);
+              HF_TILE_LOAD(7, Bk + 2048, 64);
               _tile_dpbssd(2, 4, 7);
-              _tile_loadd(5, Bk + 3072, 64);
+              HF_TILE_LOAD(5, Bk + 3072, 64);
               _tile_dpbssd(3, 4, 5);
             }
             if (nn) {
@@ -598,10 +598,10 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
             }
           }
           int32_t* dst = ends ? cb[cbi] + 32 * h : ci;
-          _tile_stored(0, dst + co[0], NR * 4);
-          _tile_stored(1, dst + co[1], NR * 4);
-          _tile_stored(2, dst + co[2], NR * 4);
-          _tile_stored(3, dst + co[3], NR * 4);
+          HF_TILE_STORE(0, dst + co[0], NR * 4);
+          HF_TILE_STORE(1, dst + co[1], NR * 4);
+          HF_TILE_STORE(2, dst + co[2], NR * 4);
+          HF_TILE_STORE(3, dst + co[3], NR * 4);
         }
         pend.live = false;
         if (ends) {

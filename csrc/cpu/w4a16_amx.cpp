@@ -84,13 +84,13 @@ namespace {
 // One 32-k step of the 2 x 2 register blocking: B tiles 1, 2 (columns 0..15, 16..31) from b, b + 512; A tile 0
 // (rows 0..15) from a0 and, when two, A tile 7 (rows 16..31) from a1; C tiles 3, 4 (and 5, 6) accumulate.
 inline void tile_step(const uint16_t* b, const uint16_t* a0, const uint16_t* a1, bool two) {
-  _tile_loadd(1, b, 64);
-  _tile_loadd(2, b + 512, 64);
-  _tile_loadd(0, a0, 64);
+  HF_TILE_LOAD(1, b, 64);
+  HF_TILE_LOAD(2, b + 512, 64);
+  HF_TILE_LOAD(0, a0, 64);
   _tile_dpbf16ps(3, 0, 1);
   _tile_dpbf16ps(4, 0, 2);
   if (two) {
-    _tile_loadd(7, a1, 64);
+    HF_TILE_LOAD(7, a1, 64);
     _tile_dpbf16ps(5, 7, 1);
     _tile_dpbf16ps(6, 7, 2);
   }
@@ -170,8 +170,8 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
   load_tile_config(cfg);
   alignas(64) float cbuf[2][16][32];
   auto epilogue = [&](int64_t p, int64_t mb, bool two) {
-    _tile_stored(3, &cbuf[0][0][0], 128); _tile_stored(4, &cbuf[0][0][16], 128);
-    if (two) { _tile_stored(5, &cbuf[1][0][0], 128); _tile_stored(6, &cbuf[1][0][16], 128); }
+    HF_TILE_STORE(3, &cbuf[0][0][0], 128); HF_TILE_STORE(4, &cbuf[0][0][16], 128);
+    if (two) { HF_TILE_STORE(5, &cbuf[1][0][0], 128); HF_TILE_STORE(6, &cbuf[1][0][16], 128); }
     for (int64_t m = 16 * mb; m < M && m < 16 * mb + 32; ++m)
       store_c_row(g, m, p * W4_NP, cbuf[(m - 16 * mb) >> 4][m & 15], rowe);
   };
@@ -224,8 +224,8 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
             _tile_zero(3); _tile_zero(4);
             if (two) { _tile_zero(5); _tile_zero(6); }
           } else {
-            _tile_loadd(3, cs, 64); _tile_loadd(4, cs + 256, 64);
-            if (two) { _tile_loadd(5, cs + 512, 64); _tile_loadd(6, cs + 768, 64); }
+            HF_TILE_LOAD(3, cs, 64); HF_TILE_LOAD(4, cs + 256, 64);
+            if (two) { HF_TILE_LOAD(5, cs + 512, 64); HF_TILE_LOAD(6, cs + 768, 64); }
           }
           for (int64_t kb = k0; kb < k1; ++kb) {
             for (int64_t l = ((p - pb) * kn + kb - k0) * per, le = std::min(an_lines, l + per); l < le; ++l)
@@ -235,8 +235,8 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
           if (last) {
             epilogue(p, mb, two);
           } else {
-            _tile_stored(3, cs, 64); _tile_stored(4, cs + 256, 64);
-            if (two) { _tile_stored(5, cs + 512, 64); _tile_stored(6, cs + 768, 64); }
+            HF_TILE_STORE(3, cs, 64); HF_TILE_STORE(4, cs + 256, 64);
+            if (two) { HF_TILE_STORE(5, cs + 512, 64); HF_TILE_STORE(6, cs + 768, 64); }
           }
         }
       }
@@ -322,8 +322,8 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
         if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
         tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
       }
-      _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
-      if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
+      HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128);
+      if (two) { HF_TILE_STORE(5, &cb[16][0], 128); HF_TILE_STORE(6, &cb[16][16], 128); }
       // acc += scale * C (- zero * scale * xsum)
       const int64_t so = (p * G + gi) * W4_NP;
       __m512 s0, s1;
@@ -377,8 +377,8 @@ __attribute__((always_inline)) inline void amx_small_stream(const W4Gemm& g, con
       }
       tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
     }
-    _tile_stored(3, &cb[0][0], 128); _tile_stored(4, &cb[0][16], 128);
-    if (two) { _tile_stored(5, &cb[16][0], 128); _tile_stored(6, &cb[16][16], 128); }
+    HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128);
+    if (two) { HF_TILE_STORE(5, &cb[16][0], 128); HF_TILE_STORE(6, &cb[16][16], 128); }
     for (int64_t m = 0; m < M; ++m) store_c_row(g, m, p * W4_NP, cb[m], rowe);
   }
   _tile_release();
