@@ -135,9 +135,8 @@ def _cases():
 
 
 def _nvfp4_act_block(k):
-    """the int16 path's activation block for NVFP4: 64 where it divides K (AVX-512; AVX2 uses 16, which the budget
-    of the larger block covers)"""
-    return 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+    """the int16 path's activation block for NVFP4 (one 16-k weight block)"""
+    return 16
 
 
 def _group(qw, k):
@@ -377,10 +376,9 @@ def test_int16_path_activation_blocks(isa, k, gs):
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("k", [80, 96, 640])
-def test_int16_path_nvfp4_activation_blocks(isa, k):
-    """NVFP4 on the int16 path: activation blocks of 16 (K = 80), 32 (K = 96) and 64 (K = 640) k with AVX-512 (the
-    activation scale taken once per block, the 16-k weight block scales inside it); 16 with AVX2. Rows of very
-    different magnitude, with bias."""
+def test_int16_path_nvfp4_shapes(isa, k):
+    """NVFP4 on the int16 path for K that is an odd (80), even (96) and large (640) number of 16-k blocks, rows of
+    very different magnitude, with bias."""
     n = 72
     spec, qw = make_qweight("ct_nvfp4", n, k, 16, seed=k)
     W = layouts.dequantize(qw)

@@ -73,10 +73,9 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 
 // avx512 + VNNI, 16-bit activations: x quantized per (row, block of ag k) to int16 with a power-of-two scale
 // (w4a16_quant_x16_avx512: xq int16 [M][K], xs fp32 [M][K/ag] = scale, xd int32 [M][K/ag] = sum of the block's
-// int16 values; returns false if x holds inf / nan). int4: ag divides the group size and is at most 4096, so the
-// int32 sums cannot overflow. NVFP4: ag is 16 (AVX2) or a multiple of 16 dividing K (AVX-512: 64 where it can),
-// the int32 sums run over one 16-k block (e2m1 x 2^8 <= 1536: |sum| < 2^30). Exact for every element within 2^7
-// (bf16) / 2^4 (fp16) of its block's max; smaller ones are off by at most 2^-16 of that max.
+// int16 values; returns false if x holds inf / nan). ag divides the group size (NVFP4: 16) and is at most 4096, so
+// the int32 sums cannot overflow. Exact for every element within 2^7 (bf16) / 2^4 (fp16) of its block's max;
+// smaller ones are off by at most 2^-16 of that max.
 bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
                             int32_t* xd);
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,

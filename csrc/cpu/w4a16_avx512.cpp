@@ -141,119 +141,86 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
   }
 }
 
-// One block of pairs k-pairs (an even number) of the int16 kernel: a[u][m][0 / 1] (int32 lanes: columns 0..15 /
-// 16..31) += the codes of q times the int16 activations xb (row stride ldx); int4 codes raw (0..15), NVFP4 codes
-// through lut (vpermw). U = 2: even and odd k-pairs in separate accumulators (MR <= 2: the vpdpwssd chains are
-// latency bound otherwise).
-template <int MR, int MODE, int U>
-__attribute__((always_inline)) inline void i16_block_dot(__m512i (&a)[U][MR][2], const uint8_t* q, const int16_t* xb,
-                                                         int64_t ldx, int64_t pairs, const __m512i lut) {
-  const __m512i nib = _mm512_set1_epi16(15);
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MR; ++m) a[u][m][0] = a[u][m][1] = _mm512_setzero_si512();
-  for (int64_t j = 0; j < pairs; j += 2) {  // one 64-byte line per iteration
-    _mm_prefetch(reinterpret_cast<const char*>(q + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
-#pragma GCC unroll 2
-    for (int u = 0; u < 2; ++u) {
-      const int64_t jj = j + u;
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + jj * W4_NP)));
-      __m512i wl, wh;
-      if (MODE == W4_NVFP4) {  // vpermw reads index bits 4:0; the LUT repeats, so no mask for the low nibble
-        wl = _mm512_permutexvar_epi16(w, lut);
-        wh = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
-      } else {
-        wl = _mm512_and_si512(w, nib);
-        wh = _mm512_srli_epi16(w, 4);
-      }
-      for (int m = 0; m < MR; ++m) {
-        int32_t xp;
-        std::memcpy(&xp, xb + m * ldx + 2 * jj, 4);
-        const __m512i xv = _mm512_set1_epi32(xp);
-        __m512i* am = a[U == 2 ? u : 0][m];
-        am[0] = _mm512_dpwssd_epi32(am[0], wl, xv);
-        am[1] = _mm512_dpwssd_epi32(am[1], wh, xv);
-      }
-    }
-  }
-  if (U == 2)
-    for (int m = 0; m < MR; ++m) {
-      a[0][m][0] = _mm512_add_epi32(a[0][m][0], a[U - 1][m][0]);
-      a[0][m][1] = _mm512_add_epi32(a[0][m][1], a[U - 1][m][1]);
-    }
-}
-
 // ---- 16-bit integer activations (w4a16_fused_i16_avx512): the codes stay integers and meet the activations in
 // vpdpwssd (2 x int16 products summed into int32 lanes), so one k-pair row of 32 bytes costs a widening load,
 // one and / shift (int4) or two vpermw (NVFP4) and two dot instructions - about half the vector uops of the fp32
 // LUT + FMA formulation above, whose vpermps / vpmovzxbd traffic on port 5 is what bounds M=1.
 // Zero-extended to 16-bit lanes, word i of a k-pair row is byte i = (column i/2, k parity i%2): each 32-bit lane
 // is one column's pair (k, k+1), which is exactly vpdpwssd's pairing, so no shuffles are needed: the low nibbles
-// give columns 0..15, the high nibbles columns 16..31. int4: per activation block (ag k, within one weight group)
-// the int32 sums are converted once and scaled by weight scale x activation scale. NVFP4 (16-k weight blocks, ag a
-// multiple of 16): per weight block the int32 sums are converted and scaled by the block scale into per-activation-
-// block sums, which take the activation scale once per activation block (ag = 64 saves a multiply per row and weight
-// block over ag = 16; the LUT holds e2m1 x 2^8, so the scale's fp16 form, scale / 2^8, needs no multiply either).
+// give columns 0..15, the high nibbles columns 16..31. Per activation block (ag k) the int32 sums are converted
+// once and scaled by weight scale x activation scale.
 template <int MR, int MODE>
 void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, int64_t ldx, const float* xs,
                     const int32_t* xd, int64_t ag, int64_t p, float* res) {
-  constexpr int U = MR <= 2 ? 2 : 1;
-  const int64_t nab = g.K / ag;
+  const int64_t nab = g.K / ag, bpg = g.gs / ag, pairs = ag / 2;
+  const __m512i nib = _mm512_set1_epi16(15);
   alignas(64) int16_t lt[32];
-  for (int c = 0; c < 32; ++c) lt[c] = static_cast<int16_t>(256.0f * kE2M1[c & 15]);  // e2m1 x 2^8: integers
+  for (int c = 0; c < 32; ++c) lt[c] = static_cast<int16_t>(2.0f * kE2M1[c & 15]);  // doubled e2m1: integers
   const __m512i lut = _mm512_load_si512(lt);
   __m512 o[MR][2];
   for (int m = 0; m < MR; ++m) o[m][0] = o[m][1] = _mm512_setzero_ps();
-  __m512i a[U][MR][2];
-  if constexpr (MODE == W4_NVFP4) {
-    const uint8_t* sc = static_cast<const uint8_t*>(g.scales) + p * g.G * W4_NP;
-    const int64_t wpb = ag / 16;  // weight blocks per activation block
-    for (int64_t b = 0; b < nab; ++b) {
-      __m512 t[MR][2];
-      for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_ps();
-      for (int64_t wb = b * wpb; wb < (b + 1) * wpb; ++wb) {
-        i16_block_dot<MR, MODE, U>(a, q + wb * 8 * W4_NP, xq + wb * 16, ldx, 8, lut);
-        const __m512i h = fp8x32_to_ph_bits(sc + wb * W4_NP);
-        const __m512 s0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), s1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-        for (int m = 0; m < MR; ++m) {
-          t[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0][m][0]), s0, t[m][0]);
-          t[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0][m][1]), s1, t[m][1]);
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, z0 = s0, z1 = s0;
+  for (int64_t b = 0, gi = 0, left = 0; b < nab; ++b) {
+    if (left == 0) {  // a new weight group (no division per block: NVFP4 has one per 16 k)
+      const int64_t so = (p * g.G + gi++) * W4_NP;
+      left = bpg;
+      if (MODE == W4_NVFP4) fp8x32_to_ps(static_cast<const uint8_t*>(g.scales) + so, 0x1p7f, s0, s1);  // 2^8 / 2 (the LUT holds 2 x e2m1)
+      else load_scales<MODE>(g, so, s0, s1);
+      if (MODE == W4_ASYM) { z0 = _mm512_loadu_ps(g.zs + so); z1 = _mm512_loadu_ps(g.zs + so + 16); }
+    }
+    --left;
+    // MR <= 2: even and odd k-pairs in separate accumulators (the vpdpwssd chains are latency bound otherwise)
+    constexpr int U = MR <= 2 ? 2 : 1;
+    __m512i a[U][MR][2];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MR; ++m) a[u][m][0] = a[u][m][1] = _mm512_setzero_si512();
+    const uint8_t* qq = q + b * pairs * W4_NP;
+    const int16_t* xb = xq + b * ag;
+    for (int64_t j = 0; j < pairs; j += 2) {  // pairs is even: one 64-byte line per iteration
+      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const int64_t jj = j + u;
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + jj * W4_NP)));
+        __m512i wl, wh;
+        if (MODE == W4_NVFP4) {  // vpermw reads index bits 4:0; the LUT repeats, so no mask for the low nibble
+          wl = _mm512_permutexvar_epi16(w, lut);
+          wh = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+        } else {
+          wl = _mm512_and_si512(w, nib);
+          wh = _mm512_srli_epi16(w, 4);
         }
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m512 xsv = _mm512_set1_ps(xs[m * nab + b]);
-        o[m][0] = _mm512_fmadd_ps(t[m][0], xsv, o[m][0]);
-        o[m][1] = _mm512_fmadd_ps(t[m][1], xsv, o[m][1]);
+        for (int m = 0; m < MR; ++m) {
+          int32_t xp;
+          std::memcpy(&xp, xb + m * ldx + 2 * jj, 4);
+          const __m512i xv = _mm512_set1_epi32(xp);
+          __m512i* am = a[U == 2 ? u : 0][m];
+          am[0] = _mm512_dpwssd_epi32(am[0], wl, xv);
+          am[1] = _mm512_dpwssd_epi32(am[1], wh, xv);
+        }
       }
     }
-  } else {
-    const int64_t bpg = g.gs / ag;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, z0 = s0, z1 = s0;
-    for (int64_t b = 0, gi = 0, left = 0; b < nab; ++b) {
-      if (left == 0) {  // a new weight group
-        const int64_t so = (p * g.G + gi++) * W4_NP;
-        left = bpg;
-        load_scales<MODE>(g, so, s0, s1);
-        if (MODE == W4_ASYM) { z0 = _mm512_loadu_ps(g.zs + so); z1 = _mm512_loadu_ps(g.zs + so + 16); }
-      }
-      --left;
-      i16_block_dot<MR, MODE, U>(a, q + b * (ag / 2) * W4_NP, xq + b * ag, ldx, ag / 2, lut);
+    if (U == 2)
       for (int m = 0; m < MR; ++m) {
-        __m512i* am = a[0][m];
-        const int64_t i = m * nab + b;
-        if (MODE == W4_SYM) {  // codes carry +8: subtract 8 * sum(D) exactly, in int32
-          const __m512i c8 = _mm512_set1_epi32(8 * xd[i]);
-          am[0] = _mm512_sub_epi32(am[0], c8);
-          am[1] = _mm512_sub_epi32(am[1], c8);
-        }
-        const __m512 xsv = _mm512_set1_ps(xs[i]);
-        o[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[0]), _mm512_mul_ps(s0, xsv), o[m][0]);
-        o[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[1]), _mm512_mul_ps(s1, xsv), o[m][1]);
-        if (MODE == W4_ASYM) {  // - zero*scale * sum(x)
-          const __m512 xsum = _mm512_set1_ps(xs[i] * static_cast<float>(xd[i]));
-          o[m][0] = _mm512_fnmadd_ps(z0, xsum, o[m][0]);
-          o[m][1] = _mm512_fnmadd_ps(z1, xsum, o[m][1]);
-        }
+        a[0][m][0] = _mm512_add_epi32(a[0][m][0], a[U - 1][m][0]);
+        a[0][m][1] = _mm512_add_epi32(a[0][m][1], a[U - 1][m][1]);
+      }
+    for (int m = 0; m < MR; ++m) {
+      __m512i* am = a[0][m];
+      const int64_t i = m * nab + b;
+      if (MODE == W4_SYM) {  // codes carry +8: subtract 8 * sum(D) exactly, in int32
+        const __m512i c8 = _mm512_set1_epi32(8 * xd[i]);
+        am[0] = _mm512_sub_epi32(am[0], c8);
+        am[1] = _mm512_sub_epi32(am[1], c8);
+      }
+      const __m512 xsv = _mm512_set1_ps(xs[i]);
+      o[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[0]), _mm512_mul_ps(s0, xsv), o[m][0]);
+      o[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[1]), _mm512_mul_ps(s1, xsv), o[m][1]);
+      if (MODE == W4_ASYM) {  // - zero*scale * sum(x)
+        const __m512 xsum = _mm512_set1_ps(xs[i] * static_cast<float>(xd[i]));
+        o[m][0] = _mm512_fnmadd_ps(z0, xsum, o[m][0]);
+        o[m][1] = _mm512_fnmadd_ps(z1, xsum, o[m][1]);
       }
     }
   }

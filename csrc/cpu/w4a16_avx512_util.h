@@ -24,6 +24,14 @@ inline __m512i fp8x32_to_ph_bits(const uint8_t* p) {
   return _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7);
 }
 
+// 32 such bytes -> fp32 (columns 0..15, 16..31) times factor / 2^8
+inline void fp8x32_to_ps(const uint8_t* p, float factor, __m512& s0, __m512& s1) {
+  const __m512i h = fp8x32_to_ph_bits(p);
+  const __m512 f = _mm512_set1_ps(factor);
+  s0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), f);
+  s1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), f);
+}
+
 // the 32 columns' group scales at offset so of g.scales (fp32, or NVFP4 fp8 bytes) -> columns 0..15, 16..31
 template <int MODE>
 inline void load_scales(const W4Gemm& g, int64_t so, __m512& s0, __m512& s1) {

@@ -171,16 +171,13 @@ int64_t amx_min_m(const W4Gemm& g) {
 }
 
 // Activation block of the int16 path (w4a16_fused_i16_avx512): the largest divisor of the group size that is a
-// multiple of 4 and at most 4096; 0 if there is none >= 16 (then the path is not used). NVFP4: 16 with AVX2; with
-// AVX-512 64 where it divides K (else 32, 16): the activation scale is applied once per 64 k instead of per 16-k
-// block (a multiply per row and block fewer). 2 threads, cold, bf16 x, one process, medians of 5, ms, ag 16 / 64:
-//   4096x4096   M=1 0.407 / 0.390   M=4 0.475 / 0.458      11008x4096 M=1 1.081 / 1.020   M=4 1.270 / 1.227
-//   2048x2048   M=4 0.134 / 0.125                          (int4 in the same run: 0.351, 0.448; 0.915, 1.078; 0.119)
-int64_t i16_block(const W4Gemm& g, CpuIsa isa) {
-  if (g.mode == W4_NVFP4) {
-    if (isa != CpuIsa::avx512) return 16;
-    return g.K % 64 == 0 ? 64 : g.K % 32 == 0 ? 32 : 16;
-  }
+// multiple of 4 and at most 4096 (NVFP4: 16); 0 if there is none >= 16 (then the path is not used). (Tried: an NVFP4
+// int16 kernel with 64-k activation blocks - the activation scale applied once per 64 k, per 16-k block only the
+// block scale - was ~3% faster at M = 4 in one process, but 5-10% slower at M = 1, memory bound, with 16- or 64-k
+// blocks alike: 2 threads, cold, builds alternated 3 times, ms, this kernel / that one: 4096x4096 0.377-0.402 /
+// 0.411-0.417, 11008x4096 0.999-1.055 / 1.094-1.135.)
+int64_t i16_block(const W4Gemm& g) {
+  if (g.mode == W4_NVFP4) return 16;
   for (int64_t d = std::min<int64_t>(g.gs, 4096); d >= 16; --d)
     if (g.gs % d == 0 && d % 4 == 0) return d;
   return 0;
@@ -269,7 +266,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   g.out = y.data_ptr(); g.ldo = n; g.out_dtype = dt_code(dt);
 
   // path 3 = 16-bit integer activations on the raw codes (AVX-512 VNNI vpdpwssd; AVX2 vpmaddwd)
-  const int64_t ag = isa != CpuIsa::generic ? i16_block(g, isa) : 0;
+  const int64_t ag = isa != CpuIsa::generic ? i16_block(g) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
   if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok, g)))) {
