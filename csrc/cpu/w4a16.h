@@ -12,7 +12,7 @@
 //          When an act-order permutation is given, k counts the permuted order (y = x[:, perm] W'^T).
 //   scales float [P][G][32] (int4) or uint8 fp8-e4m3 bytes [P][G][32] (nvfp4, G = K/16) with the sign bit clear:
 //          a negative block scale's sign is moved into its 16 codes (e2m1 is sign-magnitude: code bit 3), so that
-//          the AVX-512 kernels turn a scale byte into fp16 bits with one shift (b << 7 = scale / 2^8).
+//          the AVX-512 and AVX2 kernels turn a scale byte into fp16 bits with one shift (b << 7 = scale / 2^8).
 //   zs     float [P][G][32] = zero * scale (asymmetric int4 only; else absent).
 // Math: y[m, n] = gscale * sum_g ( s[n,g] * sum_{k in g} x[m,k] * lut(code) - zs[n,g] * sum_{k in g} x[m,k] )
 //   lut: sym int4 -> code - 8, asym int4 -> code, nvfp4 -> e2m1(code).

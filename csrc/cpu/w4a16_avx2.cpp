@@ -14,13 +14,12 @@
 namespace hf_w4 {
 namespace {
 
-// 8 fp8-e4m3 bytes -> fp32 through the fp16 bit pattern (exact, denormals included, whatever MXCSR.DAZ says)
+// 8 fp8-e4m3 block scales of the kernel layout (sign bit clear, see w4a16.h) -> fp32 through the fp16 bit pattern
+// b << 7 (exact, denormals included, whatever MXCSR.DAZ says)
 inline __m256 fp8x8_to_ps(const uint8_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
-  const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(v));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(v)), 7);
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 

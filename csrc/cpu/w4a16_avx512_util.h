@@ -10,16 +10,11 @@
 namespace hf_w4 {
 namespace {
 
-// fp8-e4m3 block scales of the kernel layout (sign bit clear, see w4a16.h) -> fp16 bits, value / 2^8, exact:
-// e4m3 is fp16 with the exponent bias 8 lower and 7 fewer mantissa bits, so b << 7 is the fp16 pattern (denormals
-// included). vcvtph2ps then converts fp16 denormals exactly whatever MXCSR.DAZ says (building the fp32 denormal
-// and multiplying it up returned 0 for the e4m3 denormals, scales below 2^-6, under torch.set_flush_denormal(True)).
-inline __m512 fp8x16_to_ps(const uint8_t* p) {
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-}
-
-// 32 such bytes -> their fp16 bit patterns (value / 2^8)
+// 32 fp8-e4m3 block scales of the kernel layout (sign bit clear, see w4a16.h) -> their fp16 bit patterns, value /
+// 2^8, exact: e4m3 is fp16 with the exponent bias 8 lower and 7 fewer mantissa bits, so b << 7 is the fp16 pattern
+// (denormals included). vcvtph2ps then converts fp16 denormals exactly whatever MXCSR.DAZ says (building the fp32
+// denormal and multiplying it up returned 0 for the e4m3 denormals, scales below 2^-6, under
+// torch.set_flush_denormal(True)).
 inline __m512i fp8x32_to_ph_bits(const uint8_t* p) {
   return _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7);
 }
@@ -36,9 +31,7 @@ inline void fp8x32_to_ps(const uint8_t* p, float factor, __m512& s0, __m512& s1)
 template <int MODE>
 inline void load_scales(const W4Gemm& g, int64_t so, __m512& s0, __m512& s1) {
   if (MODE == W4_NVFP4) {
-    const uint8_t* p = static_cast<const uint8_t*>(g.scales) + so;
-    s0 = fp8x16_to_ps(p);
-    s1 = fp8x16_to_ps(p + 16);
+    fp8x32_to_ps(static_cast<const uint8_t*>(g.scales) + so, 256.0f, s0, s1);
   } else {
     const float* p = static_cast<const float*>(g.scales) + so;
     s0 = _mm512_loadu_ps(p);
