@@ -392,6 +392,42 @@ def test_int16_path_nvfp4_shapes(isa, k):
         check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=_nvfp4_act_block(k))
 
 
+@pytest.mark.skipif(not ("avx512" in ISAS and "avx512vbmi" in _FLAGS), reason="this CPU has no AVX-512 VBMI")
+def test_int16_nvfp4_vbmi_decoder_matches_vpermw(tmp_path):
+    """The NVFP4 int16 path decodes e2m1 with vpermb on bytes where the CPU has AVX512-VBMI, with vpermw on words
+    otherwise (HF_W4_VBMI=0, read once per process, so in a subprocess): the same integers, so bit for bit the same
+    outputs, for M = 1..5 and 7 (every row-block kernel), K of 5, 6 and 40 blocks, rows of very different magnitude,
+    negative block scales and a bias. Both also stay within the reference budget (test_int16_path_nvfp4_shapes)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_cpu_w4a16 import make_qweight, prep\n"
+        "from hf_w4 import ops\n"
+        "out = []\n"
+        "for k in (80, 96, 640):\n"
+        "    spec, qw = make_qweight('ct_nvfp4', 72, k, 16, seed=k)\n"
+        "    qw.scales[::3] |= 0x80\n"
+        "    q, s, z, perm = prep(qw)\n"
+        "    gen = torch.Generator().manual_seed(k)\n"
+        "    bias = torch.randn(72, generator=gen).to(torch.bfloat16)\n"
+        "    for M in (1, 2, 3, 4, 5, 7):\n"
+        "        x = (torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]).to(torch.bfloat16)\n"
+        "        out.append(ops.cpu_w4a16_gemm(x, q, s, z, 72, 16, 'nvfp4', bias=bias,"
+        " global_scale=qw.global_scale, isa='avx512', path=3))\n"
+        "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
+    outs = []
+    for flag in ("1", "0"):
+        path = tmp_path / f"out_{flag}.pt"
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=dict(os.environ, HF_W4_VBMI=flag))
+        outs.append(torch.load(path))
+    assert len(outs[0]) == 18
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("flush_denormal", [False, True])
 def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
     """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9), or negative, decode exactly on every path, also with

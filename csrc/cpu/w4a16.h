@@ -78,6 +78,8 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 // smaller ones are off by at most 2^-16 of that max.
 bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
                             int32_t* xd);
+// NVFP4 decodes its codes with vpermb where the CPU has AVX512-VBMI (HF_W4_VBMI=0 in the environment: with vpermw,
+// as without VBMI); the results are bit-identical.
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);
 // the same in portable C++ (any ISA) and the AVX2 kernel (vpmaddwd + vpaddd)
