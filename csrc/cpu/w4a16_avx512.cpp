@@ -145,8 +145,8 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
 // ---- 16-bit integer activations (w4a16_fused_i16_avx512): the codes stay integers and meet the activations in
 // vpdpwssd (2 x int16 products summed into int32 lanes), so one k-pair row of 32 bytes costs a widening load,
 // one and / shift (int4) or a LUT (NVFP4: vpermw, or vpermb with VBMI) and two dot instructions - about half the
-// vector uops of the fp32
-// LUT + FMA formulation above, whose vpermps / vpmovzxbd traffic on port 5 is what bounds M=1.
+// vector uops of the fp32 LUT + FMA formulation above, whose vpermps / vpmovzxbd traffic on port 5 is what bounds
+// M=1.
 // Zero-extended to 16-bit lanes, word i of a k-pair row is byte i = (column i/2, k parity i%2): each 32-bit lane
 // is one column's pair (k, k+1), which is exactly vpdpwssd's pairing, so no shuffles are needed: the low nibbles
 // give columns 0..15, the high nibbles columns 16..31. Per activation block (ag k) the int32 sums are converted
