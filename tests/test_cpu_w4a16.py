@@ -392,21 +392,33 @@ def test_int16_path_nvfp4_shapes(isa, k):
         check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=_nvfp4_act_block(k))
 
 
+def _same_outputs_with_env_flag(tmp_path, var, body):
+    """Runs `body` (Python that appends the tensors to compare to `out`; make_qweight, prep, ops and torch are
+    imported) in a subprocess with var=1 and with var=0 in the environment - the kernels read such switches once per
+    process - and asserts that both give bit for bit the same outputs; returns how many."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, sys\nsys.path.insert(0, %r)\nfrom test_cpu_w4a16 import make_qweight, prep\n"
+            "from hf_w4 import ops\nout = []\n" % os.path.dirname(os.path.abspath(__file__))
+            + body + "torch.save(out, sys.argv[1])\n")
+    outs = []
+    for flag in ("1", "0"):
+        path = tmp_path / f"out_{flag}.pt"
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=dict(os.environ, **{var: flag}))
+        outs.append(torch.load(path))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    return len(outs[0])
+
+
 @pytest.mark.skipif(not ("avx512" in ISAS and "avx512vbmi" in _FLAGS), reason="this CPU has no AVX-512 VBMI")
 def test_int16_nvfp4_vbmi_decoder_matches_vpermw(tmp_path):
     """The NVFP4 int16 path decodes e2m1 with vpermb on bytes where the CPU has AVX512-VBMI, with vpermw on words
     otherwise (HF_W4_VBMI=0, read once per process, so in a subprocess): the same integers, so bit for bit the same
     outputs, for M = 1..5 and 7 (every row-block kernel), K of 5, 6 and 40 blocks, rows of very different magnitude,
     negative block scales and a bias. Both also stay within the reference budget (test_int16_path_nvfp4_shapes)."""
-    import os
-    import subprocess
-    import sys
-    code = (
-        "import torch, sys\n"
-        "sys.path.insert(0, %r)\n"
-        "from test_cpu_w4a16 import make_qweight, prep\n"
-        "from hf_w4 import ops\n"
-        "out = []\n"
+    body = (
         "for k in (80, 96, 640):\n"
         "    spec, qw = make_qweight('ct_nvfp4', 72, k, 16, seed=k)\n"
         "    qw.scales[::3] |= 0x80\n"
@@ -416,16 +428,8 @@ def test_int16_nvfp4_vbmi_decoder_matches_vpermw(tmp_path):
         "    for M in (1, 2, 3, 4, 5, 7):\n"
         "        x = (torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]).to(torch.bfloat16)\n"
         "        out.append(ops.cpu_w4a16_gemm(x, q, s, z, 72, 16, 'nvfp4', bias=bias,"
-        " global_scale=qw.global_scale, isa='avx512', path=3))\n"
-        "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
-    outs = []
-    for flag in ("1", "0"):
-        path = tmp_path / f"out_{flag}.pt"
-        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=dict(os.environ, HF_W4_VBMI=flag))
-        outs.append(torch.load(path))
-    assert len(outs[0]) == 18
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        " global_scale=qw.global_scale, isa='avx512', path=3))\n")
+    assert _same_outputs_with_env_flag(tmp_path, "HF_W4_VBMI", body) == 18
 
 
 @pytest.mark.parametrize("flush_denormal", [False, True])
@@ -478,25 +482,10 @@ def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
     (amx_small_folded up to M = 32, the blocked kernel's FoldedDecoder above), as on a build without AVX512-FP16;
     its results are bit for bit those of the fp16 decode (both round the same exact products), checked here for
     M = 1, 4, 9, 16, 17, 32, 33, 70."""
-    import os
-    import subprocess
-    import sys
-    code = (
-        "import torch, sys\n"
-        "sys.path.insert(0, %r)\n"
-        "from test_cpu_w4a16 import make_qweight, prep\n"
-        "from hf_w4 import ops\n"
+    body = (
         "spec, qw = make_qweight('modelopt_nvfp4', 200, 512, 16, seed=41)\n"
         "q, s, z, perm = prep(qw)\n"
         "gen = torch.Generator().manual_seed(42)\n"
-        "out = [ops.cpu_w4a16_gemm(torch.randn(M, 512, generator=gen).to(torch.bfloat16), q, s, z, 200, 16, 'nvfp4',"
-        " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32, 33, 70)]\n"
-        "torch.save(out, sys.argv[1])\n") % os.path.dirname(os.path.abspath(__file__))
-    outs = []
-    for flag in ("1", "0"):
-        path = tmp_path / f"out_{flag}.pt"
-        env = dict(os.environ, HF_W4_AMX_FP16=flag)
-        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
-        outs.append(torch.load(path))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        "out += [ops.cpu_w4a16_gemm(torch.randn(M, 512, generator=gen).to(torch.bfloat16), q, s, z, 200, 16, 'nvfp4',"
+        " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32, 33, 70)]\n")
+    assert _same_outputs_with_env_flag(tmp_path, "HF_W4_AMX_FP16", body) == 8
