@@ -27,8 +27,9 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # path 0). Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: 3; AVX-512 without AMX:
 # 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables); int4 groups that are not a multiple of 32 take AMX
 # from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp). On AMX, NVFP4 folds its block scales in through fp16
-# products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the fp32 decode; bit-identical results). The AWQ repack
-# uses AVX2 byte shuffles.
+# products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the fp32 decode; bit-identical results). On path 3,
+# NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ
+# repack uses AVX2 byte shuffles.
 lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "

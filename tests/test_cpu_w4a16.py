@@ -134,13 +134,11 @@ def _cases():
     return cases
 
 
-def _nvfp4_act_block(k):
-    """the int16 path's activation block for NVFP4 (one 16-k weight block)"""
-    return 16
+NVFP4_ACT_BLOCK = 16   # the int16 path's activation block for NVFP4: one 16-k weight block
 
 
 def _group(qw, k):
-    return _nvfp4_act_block(k) if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
+    return NVFP4_ACT_BLOCK if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
 
 
 @pytest.mark.parametrize("layout,sym,ao,zp1,n,k,gs,seed", _cases())
@@ -389,7 +387,7 @@ def test_int16_path_nvfp4_shapes(isa, k):
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
-        check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=_nvfp4_act_block(k))
+        check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=NVFP4_ACT_BLOCK)
 
 
 def _same_outputs_with_env_flag(tmp_path, var, body):
@@ -434,8 +432,8 @@ def test_int16_nvfp4_vbmi_decoder_matches_vpermw(tmp_path):
 
 @pytest.mark.parametrize("flush_denormal", [False, True])
 def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
-    """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9), or negative, decode exactly on every path, also with
-    torch.set_flush_denormal(True) (MXCSR.DAZ: an fp32 denormal built on the way used to read as 0), and the
+    """NVFP4 block scales that are e4m3 denormals (2^-9 .. 7 * 2^-9), or negative, decode exactly on every path,
+    also with torch.set_flush_denormal(True) (MXCSR.DAZ: an fp32 denormal built on the way used to read as 0), and the
     AMX path that moves fp16 products into bf16 position (w * 2^-108, rows of x scaled by powers of two) keeps the
     budget for rows of very different magnitude (1e-30 .. 1e30, zeros, bf16 denormals) and gives non-finite
     output exactly where the reference does. Budgets as in check()."""
@@ -465,13 +463,14 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
                     what = f"nvfp4 denormal scales M={M} isa={isa} path={path} flush={flush_denormal}"
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                            path=path)
-                    check(y, x, W, None, path in (-1, 2) and M > 4, what, i16_group=_nvfp4_act_block(k) if path in (-1, 3) else None)
+                    check(y, x, W, None, path in (-1, 2) and M > 4, what,
+                          i16_group=NVFP4_ACT_BLOCK if path in (-1, 3) else None)
                     yi = ops.cpu_w4a16_gemm(xinf, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                             path=path)
                     ref = F.linear(xinf.float(), W)
                     assert torch.equal(torch.isfinite(yi.float()), torch.isfinite(ref)), what + " (inf in x)"
                     check(yi[:M - 1], xinf[:M - 1], W, None, path in (-1, 2) and M > 4, what + " (inf in x)",
-                          i16_group=_nvfp4_act_block(k) if path in (-1, 3) else None)
+                          i16_group=NVFP4_ACT_BLOCK if path in (-1, 3) else None)
     finally:
         torch.set_flush_denormal(False)
 

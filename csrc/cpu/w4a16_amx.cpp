@@ -147,8 +147,6 @@ struct FoldedDecoder {
   }
 };
 
-// decode: a decoder as FoldedDecoder (or Fp16NvDecoder, then rowe holds each row's exponent to restore, else null).
-// Always inlined into amx_impl and amx_impl_nvfp4_fp16 (compiled for AVX512-FP16, so its decoder inlines too).
 // One output row of a C tile pair (c: 32 fp32, 64-byte aligned): multiplied by 2^rowe[m] first where rowe is given
 // (the fp16 decode's B tiles hold w * 2^-108 and its activation rows are scaled; see Fp16NvDecoder), then stored.
 inline void store_c_row(const W4Gemm& g, int64_t m, int64_t n0, float* c, const float* rowe) {
@@ -160,6 +158,8 @@ inline void store_c_row(const W4Gemm& g, int64_t m, int64_t n0, float* c, const 
   store_row_avx512(g, m, n0, c, W4_NP);
 }
 
+// decode: a decoder as FoldedDecoder (or Fp16NvDecoder, then rowe holds each row's exponent to restore, else null).
+// Always inlined into amx_impl and amx_impl_nvfp4_fp16 (compiled for AVX512-FP16, so its decoder inlines too).
 template <class Decoder>
 __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const Decoder& decode, const uint16_t* xa,
                                                        const float* rowe, int64_t M, int64_t p0, int64_t p1) {

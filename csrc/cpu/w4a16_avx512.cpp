@@ -189,7 +189,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     if (left == 0) {  // a new weight group (no division per block: NVFP4 has one per 16 k)
       const int64_t so = (p * g.G + gi++) * W4_NP;
       left = bpg;
-      if (MODE == W4_NVFP4) fp8x32_to_ps(static_cast<const uint8_t*>(g.scales) + so, 0x1p7f, s0, s1);  // 2^8 / 2 (the LUT holds 2 x e2m1)
+      // NVFP4: 2^8 / 2 (the LUT holds 2 x e2m1)
+      if (MODE == W4_NVFP4) fp8x32_to_ps(static_cast<const uint8_t*>(g.scales) + so, 0x1p7f, s0, s1);
       else load_scales<MODE>(g, so, s0, s1);
       if (MODE == W4_ASYM) { z0 = _mm512_loadu_ps(g.zs + so); z1 = _mm512_loadu_ps(g.zs + so + 16); }
     }
@@ -247,7 +248,6 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     _mm512_storeu_ps(res + m * W4_NP + 16, o[m][1]);
   }
 }
-
 
 template <int MODE, class Decode>
 __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
