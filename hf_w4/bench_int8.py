@@ -4,6 +4,9 @@
     python -m hf_w4.bench_int8 --shapes 4096x4096,4096x11008 --m 1,16 --rounds 5
     python -m hf_w4.bench --contenders bf16,ours_w8a8,zt_w8a8   # the same contenders inside hf_w4.bench
 
+On a CPU with AMX, ours_w8a8_vnni / ours_w4a8_vnni time the same op with the AVX-512 VNNI path forced: the path a
+CPU without AMX (AMD Zen 4 / 5) takes at every M.
+
 ``CONTENDERS`` plugs into ``hf_w4.bench`` (interface: ``name``, ``available() -> (ok, reason)``,
 ``prepare(w_fp32 [N, K], group_size) -> state`` per weight copy, ``run(state, x_bf16 [M, K]) -> y``). The method
 is hf_w4.bench's: 2 threads, cold weights (rotation over > --cold-mib of weight copies), medians of interleaved
@@ -45,6 +48,7 @@ def _qw_int4(w, group_size):
 
 
 class _Ours(Contender):
+    isa = ""  # automatic: AMX-INT8 from M = 8 where the CPU has it
     def available(self):
         from . import _ext, ops
         if not ops.has_impl("int8_gemm"):
@@ -63,7 +67,7 @@ class OursW8A8(_Ours):
 
     def run(self, state, x):
         p, s, n, k = state
-        return torch.ops.hf_w4.int8_gemm(x, p, s, None, None, None, "int8", n, k, k, False, "")
+        return torch.ops.hf_w4.int8_gemm(x, p, s, None, None, None, "int8", n, k, k, False, self.isa)
 
 
 class OursW4A8(_Ours):
@@ -77,7 +81,37 @@ class OursW4A8(_Ours):
 
     def run(self, state, x):
         p, s, n, k, gs = state
-        return torch.ops.hf_w4.int8_gemm(x, p, s, None, None, None, "int4", n, k, gs, False, "")
+        return torch.ops.hf_w4.int8_gemm(x, p, s, None, None, None, "int4", n, k, gs, False, self.isa)
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+class _NoAmx:
+    """The same op with the AVX-512 VNNI path forced (isa "avx512"): what a CPU without AMX (AMD Zen 4 / 5, Intel
+    before Sapphire Rapids) runs at every M. Benchmarked only where AMX would otherwise take over."""
+    isa = "avx512"
+
+    def available(self):
+        ok, why = super().available()
+        if not ok:
+            return ok, why
+        if not _cpu_has_amx():
+            return False, "no AMX on this CPU: the default contender already runs the AVX-512 VNNI path"
+        return True, ""
+
+
+class OursW8A8Vnni(_NoAmx, OursW8A8):
+    name = "ours_w8a8_vnni"
+
+
+class OursW4A8Vnni(_NoAmx, OursW4A8):
+    name = "ours_w4a8_vnni"
 
 
 class _Zt(Contender):
@@ -124,14 +158,15 @@ class ZtW8A8(_Zt):
         return zt.run_w8a8(state, x, None)
 
 
-CONTENDERS = [OursW8A8(), OursW4A8(), ZtW4A16(), ZtW4A8(), ZtW8A8()]
+CONTENDERS = [OursW8A8(), OursW4A8(), OursW8A8Vnni(), OursW4A8Vnni(), ZtW4A16(), ZtW4A8(), ZtW8A8()]
 
 
 def table(results, shapes, ms, names) -> str:
     """One row per (shape, M): ms per contender, then ours vs bf16 and vs the matching zentorch op."""
     head = ["K×N", "M"] + [f"{nm} ms" for nm in names]
     pairs = [("ours_w8a8", "bf16"), ("ours_w8a8", "zt_w8a8"), ("ours_w4a8", "bf16"), ("ours_w4a8", "zt_w4a8"),
-             ("ours_w4a8", "zt_w4a16"), ("ours_int4", "zt_w4a16")]
+             ("ours_w4a8", "zt_w4a16"), ("ours_int4", "zt_w4a16"), ("ours_w8a8_vnni", "zt_w8a8"),
+             ("ours_w4a8_vnni", "zt_w4a8")]
     pairs = [(a, b) for a, b in pairs if a in names and b in names]
     head += [f"{a.replace('ours_', '')} vs {b}" for a, b in pairs]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

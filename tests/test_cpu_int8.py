@@ -419,3 +419,19 @@ def test_compressed_tensors_fake_quant_reproduced():
     y_kernel = run_kernel(qw, xb, "int8_token", "").float()
     rel = float((y_ct16 - y_kernel).abs().max() / y_kernel.abs().max())
     assert rel < 0.03, rel
+
+
+def test_bench_vnni_contenders_match_the_default():
+    # hf_w4.bench_int8's *_vnni contenders force the AVX-512 VNNI path (what a CPU without AMX runs); where AMX
+    # exists they must give the default op's results bit for bit (same integers, same fp32 order); elsewhere they
+    # decline with the reason
+    from hf_w4 import bench_int8
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(3)) * 0.02
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for base, vnni in ((bench_int8.OursW8A8(), bench_int8.OursW8A8Vnni()),
+                       (bench_int8.OursW4A8(), bench_int8.OursW4A8Vnni())):
+        ok, why = vnni.available()
+        if not ok:
+            assert "AMX" in why or "not built" in why, why
+            continue
+        assert torch.equal(vnni.run(vnni.prepare(w, 128), x), base.run(base.prepare(w, 128), x)), vnni.name
