@@ -1,10 +1,11 @@
 """Loads the compiled op library (hf_w4/_C*.so) once. Never raises: a failed load is remembered
-and reported by kernels through ``load_error()``."""
+and reported by kernels through ``load_error()``. ``cpu_flags()`` says what this CPU offers the library."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
-from typing import Optional
+from typing import FrozenSet, Optional
 
 import torch
 
@@ -35,3 +36,16 @@ def load() -> bool:
 def load_error() -> Optional[str]:
     load()
     return _state["error"]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> FrozenSet[str]:
+    """The CPU feature flags Linux reports (/proc/cpuinfo, e.g. "avx512_vnni", "amx_int8"); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

@@ -49,6 +49,7 @@ def _qw_int4(w, group_size):
 
 class _Ours(Contender):
     isa = ""  # automatic: AMX-INT8 from M = 8 where the CPU has it
+
     def available(self):
         from . import _ext, ops
         if not ops.has_impl("int8_gemm"):
@@ -84,14 +85,6 @@ class OursW4A8(_Ours):
         return torch.ops.hf_w4.int8_gemm(x, p, s, None, None, None, "int4", n, k, gs, False, self.isa)
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_int8" in line for line in f)
-    except OSError:
-        return False
-
-
 class _NoAmx:
     """The same op with the AVX-512 VNNI path forced (isa "avx512"): what a CPU without AMX (AMD Zen 4 / 5, Intel
     before Sapphire Rapids) runs at every M. Benchmarked only where AMX would otherwise take over."""
@@ -101,7 +94,8 @@ class _NoAmx:
         ok, why = super().available()
         if not ok:
             return ok, why
-        if not _cpu_has_amx():
+        from . import _ext
+        if "amx_int8" not in _ext.cpu_flags():
             return False, "no AMX on this CPU: the default contender already runs the AVX-512 VNNI path"
         return True, ""
 

@@ -19,14 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_w4 import layouts, ops
+from hf_w4 import _ext, layouts, ops
 from hf_w4.formats.spec import W4Spec
 
 pytestmark = pytest.mark.needs_ext
 
 
 def _built():
-    from hf_w4 import _ext
     return ops.has_impl("cpu_w4a16_gemm") and ops.has_impl("cpu_w4a16_repack"), _ext.load_error()
 
 
@@ -35,18 +34,7 @@ if not _ok:
     pytest.skip(f"hf_w4 extension with cpu_w4a16 ops not built: {_err}", allow_module_level=True)
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":")[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_FLAGS = _cpu_flags()
+_FLAGS = _ext.cpu_flags()
 ISAS = ["generic"]
 if {"avx2", "fma", "f16c"} <= _FLAGS:
     ISAS.append("avx2")
