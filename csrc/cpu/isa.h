@@ -37,6 +37,13 @@ inline int parse_isa(const char* s) {
   return -2;
 }
 
+// An HF_W4_<FEATURE>=0 switch (HF_W4_AMX, HF_W4_AMX_FP16, HF_W4_VBMI): true when the variable is set and starts
+// with '0', i.e. the feature is turned off and its fallback runs. Callers read it once (a static).
+inline bool env_switched_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e == '0';
+}
+
 // The ISA to use: min(requested (argument, else env HF_W4_ISA, else best), best).
 inline CpuIsa choose_isa(const char* requested) {
   static const CpuIsa best = cpu_best_isa();

@@ -28,11 +28,11 @@
 #endif
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "isa.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -68,8 +68,7 @@ bool w4a16_amx_available() {
 bool w4a16_amx_fp16_available() {
 #if HF_W4_FP16_DECODE && defined(__linux__) && defined(__x86_64__)
   static const bool ok = [] {
-    const char* e = std::getenv("HF_W4_AMX_FP16");  // "0": the fp32 decode (amx_small_folded) instead
-    if (e && *e == '0') return false;
+    if (env_switched_off("HF_W4_AMX_FP16")) return false;  // the fp32 decode (amx_small_folded) instead
     unsigned a, b, c, d;
     return w4a16_amx_available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 23));  // AVX512-FP16
   }();

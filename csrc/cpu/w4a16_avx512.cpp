@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -394,10 +394,7 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1) {
   // HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
-  static const bool vbmi = [] {
-    const char* e = std::getenv("HF_W4_VBMI");
-    return !(e && *e == '0') && __builtin_cpu_supports("avx512vbmi");
-  }();
+  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && __builtin_cpu_supports("avx512vbmi");
   if (g.mode == W4_NVFP4 && vbmi) fused_i16_nvfp4_vbmi(g, xq, xs, xd, M, ag, p0, p1);
   else if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_NVFP4>());
   else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_ASYM>());

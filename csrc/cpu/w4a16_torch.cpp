@@ -132,10 +132,7 @@ int64_t large_chunk_bytes() {
 }
 
 bool amx_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("HF_W4_AMX");
-    return !(e && *e == '0');
-  }();
+  static const bool v = !env_switched_off("HF_W4_AMX");
   return v;
 }
 // Smallest M for which bf16 x takes the AMX path in the automatic choice. Measured on the 2-vCPU AMX Xeon VM
