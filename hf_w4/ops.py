@@ -80,8 +80,8 @@ def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, 
 # packed uint8 [P, panel_bytes] (P = ceil(N/64) panels of 64 columns; K permuted by act-order, each group
 # padded to a multiple of 8; int8: u8 = w + 128 in VNNI-4 quads, int4: nibble pairs of quads), scales fp32
 # [P, G, 64], zeros int32 [P, G, 64] (asymmetric int4, else an empty tensor). isa "" = auto (env HF_W4_ISA
-# caps it: avx512 | avx2 | generic; auto also uses AMX-INT8 where available - int4 weights from M = 8, int8 from
-# M = 32, measured in csrc/cpu/int8_ops.cpp; HF_W4_AMX=0 disables);
+# caps it: avx512 | avx2 | generic; auto also uses AMX-INT8 where available - from M = 8 for both weight types,
+# measured in csrc/cpu/int8_ops.cpp; HF_W4_AMX=0 disables, read once per process as for the W4A16 op);
 # "amx" | "avx512" | "avx2" | "avxvnni" | "avx2novnni" | "generic" force a path (an error if the CPU lacks it).
 lib.define("int8_isa(str isa=\"\") -> str")
 lib.define("int8_repack(Tensor codes, str weight_type, int pack_dim, int[] slots, Tensor scales, Tensor? zeros, "

@@ -5,11 +5,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "int8_gemm.h"
+#include "isa.h"
 
 namespace {
 using namespace hf_w4_int8;
@@ -212,7 +212,7 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   at::Tensor out = at::empty({M, n}, x2.options());
   if (M == 0 || n == 0) return out.reshape(os);
   const bool auto_isa = isa_req.empty() || std::string(isa_req) == "auto";
-  const char* amx_env = std::getenv("HF_W4_AMX");
+  static const bool amx_off = hf_w4::env_switched_off("HF_W4_AMX");  // read once, as the W4A16 op does
   // AMX-INT8 from a measured M on (K = N = 4096, 2 threads, hot weights, medians, ms, AMX vs AVX-512 VNNI; with
   // the 8 KiB B slices of row chunks <= 32 rows, see AMX_KC_SMALL):
   //   int4 (W4A8 g128): M=4 0.234 vs 0.179, M=8 0.259 vs 0.257, M=12 0.292 vs 0.314, M=16 0.299 vs 0.295 (tie)
@@ -221,7 +221,7 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // (before the small slices AMX only paid from M = 32 for int8 weights: 32 KiB slices pushed the tile loads to L2)
   const int64_t amx_min_m = 8;
   const bool amx_ok = isa == ISA_AVX512 &&
-                      (want_amx || (auto_isa && M >= amx_min_m && !(amx_env && std::string(amx_env) == "0"))) &&
+                      (want_amx || (auto_isa && M >= amx_min_m && !amx_off)) &&
                       g.Gp % 64 == 0 && amx_usable();
   ActQ a = quantize(x2, pp, g, act_group, isa, amx_ok);
 
