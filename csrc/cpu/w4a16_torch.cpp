@@ -175,7 +175,7 @@ int64_t amx_min_m(const W4Gemm& g) {
 // 0.411-0.417, 11008x4096 0.999-1.055 / 1.094-1.135. Re-tried for M >= 2 only, M = 1 keeping this kernel, with
 // the block scale's factor 2^7 moved into the activation scale: 1 thread, hot, 2048x2048 M=4 162.8 / 161.0 vs
 // 161.4 / 161.6 us; cold, 2 threads, 3 alternations, no difference at M = 2 or 4 on 2048^2, 4096^2, 11008x4096.
-// M = 4 runs 16 vpdpwssd + 8 decode operations per 2 k-pairs in about 16 cycles - the vector ports, not the
+// M = 4 runs 16 vpdpwssd + ByteLutDecode's 9 uops per 2 k-pairs in about 16 cycles - the vector ports, not the
 // epilogue, bound it.)
 int64_t i16_block(const W4Gemm& g) {
   if (g.mode == W4_NVFP4) return 16;
