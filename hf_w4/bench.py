@@ -228,8 +228,9 @@ def bench_shapes(shapes, ms, contenders, group_size=128, cold_mib=96, min_time=0
                     per[c.name].append(time_calls(lambda i: c.run(st[i], x), len(st), min_time, min_runs))
             for c in contenders:
                 results[(k, n, m, c.name)] = statistics.median(per[c.name])
-            # each contender's spread over the rounds, (max - min) / median: the host's load comes in bursts (one
-            # vCPU taken away for a second or more doubles a call's time), so a ratio is only as good as this
+            # each contender's spread over the rounds, ± half of (max - min) as a share of the median: the host's
+            # load comes in bursts (one vCPU taken away for a second or more doubles a call's time), so a ratio
+            # is only as good as this
             log(f"  K={k} N={n} M={m}: " + ", ".join(
                 f"{c.name} {results[(k, n, m, c.name)] * 1e3:.3f} ms"
                 f" (±{(max(per[c.name]) - min(per[c.name])) / results[(k, n, m, c.name)] * 50:.0f}%)"

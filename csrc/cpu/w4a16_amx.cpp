@@ -298,7 +298,10 @@ inline bool small_tile_config(int64_t M) {
 // rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
 // the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
 // - slower than a stacked kernel (two 16-k blocks per tile product) for M <= 8 and than the scale-folding decode
-// for M > 8, e.g. M=16 1.9 vs 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded.)
+// for M > 8, e.g. M=16 1.9 vs 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded. The
+// activation rows prefetched into L1 2 or 3 steps ahead: no difference, M = 4 / 16 / 32 on all four bench shapes,
+// 2 threads, cold, variants interleaved in one process, 7 rounds - a 3-10% "gain" seen with the variants in
+// separate processes run in a fixed order was that order.)
 template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / 32;
