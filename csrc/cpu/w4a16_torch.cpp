@@ -202,10 +202,21 @@ int64_t i16_block(const W4Gemm& g) {
 //   4096x4096 0.435 / 0.392   2048x2048 0.113 / 0.104   8192x4096 0.816 / 0.796   11008x4096 1.081 / 1.037
 //   4096x11008 1.079 / 1.020  2048x8192 0.408 / 0.384   (M = 3, an earlier run: 11008x4096 0.943 / 1.119,
 //   4096x11008 0.935 / 1.045, 4096x4096 0.398 / 0.382) -> int4 groups of a multiple of 32: int16 up to M = 3.
+// Re-measured with the two paths interleaved in one process (2 threads, cold, medians of 5-7 rounds, ms; int16 /
+// AMX), the crossover moves with the group size - the raw-code AMX kernel flushes its C tiles once per group:
+//   g128 sym  M=2: 4096x4096 0.340-0.351 / 0.356-0.359, 11008x4096 0.922-0.938 / 0.966-0.971, 2048x2048 0.095 /
+//             0.098, 4096x11008 0.930 / 0.951; M=3: 4096x4096 0.378-0.382 / 0.363, 11008x4096 0.999-1.036 /
+//             0.966-0.989, 2048x2048 0.103 / 0.100, 4096x11008 1.009 / 0.951
+//   g128 asym M=3: 4096x4096 0.388-0.390 / 0.381-0.383, 11008x4096 1.025 / 0.991; channel-wise (4096x4096) M=2
+//             0.340 / 0.363, M=3 0.376 / 0.367
+//   g64       M=3: 4096x4096 0.390 / 0.386, 11008x4096 0.981 / 1.009; M=4: 0.410 / 0.392, 1.033 / 1.043
+//   g32       M=4: 4096x4096 0.434 / 0.442, 11008x4096 1.162 / 1.213; M=5: 0.550 / 0.474, 1.485 / 1.253
+// -> int16 up to M = 2 for groups of 128 and more, 3 for 64, 4 for 32 (from M = 5 it makes two passes).
 int64_t i16_max_m(CpuIsa isa, bool amx, const W4Gemm& g) {
   if (isa == CpuIsa::avx2) return 16;
   if (!amx) return 32;
-  return w4a16_amx_raw_ok(g, 4) ? 3 : 4;
+  if (!w4a16_amx_raw_ok(g, 4)) return 4;
+  return g.gs >= 128 ? 2 : g.gs >= 64 ? 3 : 4;
 }
 
 // fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
