@@ -145,9 +145,9 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
                 for path in (-1, 0, 1, 2, 3) if M in (3, 17) else (-1,):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                            global_scale=qw.global_scale or 1.0, isa=isa, path=path)
-                    # auto may pick the AMX path from M=3 (int4 groups of a multiple of 32 - there the raw-code
-                    # kernel, as exact as fp32 -; otherwise above M=4); with the scales folded in it rounds the
-                    # scaled weights to bf16 like the large-M path, so it gets the same budget
+                    # auto may pick the AMX path from M=3 (int4 groups of 128 or more; 64: M=4; otherwise above
+                    # M=4); with the scales folded in (not the raw-code kernel) it rounds the scaled weights to bf16
+                    # like the large-M path, so it gets the same budget
                     large = path in (1, 2) or (path in (-1, 3) and M > 3)  # 3 without AVX-512 = auto
                     i16 = isa != "generic" and (path == 3 or (path == -1 and dt == torch.bfloat16))
                     check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}",

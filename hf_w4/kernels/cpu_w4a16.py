@@ -6,17 +6,16 @@ order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), p
 fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
 permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
 (AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: for bf16 activations at small
-M (AVX-512 with AMX: up to 4, for int4 groups of a multiple of 32 up to 2 (groups of 128 or more), 3 (64) or 4
-(32); 32 without AMX; AVX2: up to 16), the
-activations become int16 per block with a power-of-two scale (exact for every element within 2^7 of its block's
-max) and meet the raw codes in vpdpwssd (AVX2: vpmaddwd), which streams the weights at memory speed; on CPUs with
-AMX-BF16, AMX tiles above that. Up to M = 32 the weights stream through an L1 buffer one 32-k step at a time (int4
-groups of a multiple of 32: code values straight into the tiles, scales on the accumulators; otherwise decoded with
-the scales folded in); for larger M, blocks of panels are decoded once with the scales folded in and every 32-row
-block runs over them. NVFP4 folds its block scales in through fp16 products moved into bf16 position where the CPU
-has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations, AVX2) a fused dequantize-in-registers
-fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M
-(crossovers measured in csrc/cpu/w4a16_torch.cpp).
+M (AVX-512 with AMX: up to 4, for int4 groups of a multiple of 32 up to 2 (groups of 128 or more), 3 (64) or 4 (32);
+32 without AMX; AVX2: up to 16), the activations become int16 per block with a power-of-two scale (exact for every
+element within 2^7 of its block's max) and meet the raw codes in vpdpwssd (AVX2: vpmaddwd), which streams the
+weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that. Up to M = 32 the weights stream through an L1
+buffer one 32-k step at a time (int4 groups of a multiple of 32: code values straight into the tiles, scales on the
+accumulators; otherwise decoded with the scales folded in); for larger M, blocks of panels are decoded once with the
+scales folded in and every 32-row block runs over them. NVFP4 folds its block scales in through fp16 products moved
+into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations, AVX2) a fused
+dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M (crossovers
+measured in csrc/cpu/w4a16_torch.cpp).
 """
 from __future__ import annotations
 
@@ -41,7 +40,8 @@ class CpuW4A16Kernel(Kernel):
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
                    "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 3 (int4, groups of 128 or more), 4 "
-                   "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M, dequantize + bf16 GEMM for large M")
+                   "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M, dequantize + "
+                   "bf16 GEMM for large M")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
