@@ -24,12 +24,12 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear,
 # 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to auto), 3 = int16
 # activations x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd; any x dtype when forced, inf / nan in x fall back to
-# path 0). Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: 3; AVX-512 without AMX:
-# 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables); int4 groups that are not a multiple of 32 take AMX
-# from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp). On AMX, NVFP4 folds its block scales in through fp16
-# products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the fp32 decode; bit-identical results). On path 3,
-# NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ
-# repack uses AVX2 byte shuffles.
+# path 0). Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: up to 2 for groups of 128
+# or more, 3 for 64, 4 for 32; AVX-512 without AMX: 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables);
+# int4 groups that are not a multiple of 32 take AMX from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp). On
+# AMX, NVFP4 folds its block scales in through fp16 products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the
+# fp32 decode; bit-identical results). On path 3, NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI
+# (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ repack uses AVX2 byte shuffles.
 lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
