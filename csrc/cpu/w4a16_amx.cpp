@@ -466,12 +466,14 @@ HF_W4_FP16_TARGET void amx_impl_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, 
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1) {
   const int64_t KB = K / 32;
   for (int64_t mb = mb0; mb < mb1; ++mb)
-    for (int64_t kb = 0; kb < KB; ++kb) {
-      uint16_t* d = xa + (mb * KB + kb) * 512;
-      for (int r = 0; r < 16; ++r) {
-        const int64_t m = 16 * mb + r;
-        if (m < M) std::memcpy(d + 32 * r, x + m * ldx + 32 * kb, 64);
-        else std::memset(d + 32 * r, 0, 64);
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t m = 16 * mb + r;
+      uint16_t* d = xa + mb * KB * 512 + 32 * r;
+      if (m < M) {
+        const uint16_t* xr = x + m * ldx;
+        for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_loadu_si512(xr + 32 * kb));
+      } else if (M > 32) {  // only amx_blocked's full 16-row tiles read rows >= M
+        for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_setzero_si512());
       }
     }
 }
@@ -482,8 +484,9 @@ void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa
   for (int64_t mb = mb0; mb < mb1; ++mb)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t m = 16 * mb + r;
-      if (m >= M) {
-        for (int64_t kb = 0; kb < KB; ++kb) std::memset(xa + (mb * KB + kb) * 512 + 32 * r, 0, 64);
+      if (m >= M) {  // read only by amx_blocked's full 16-row tiles (M > 32)
+        if (M > 32)
+          for (int64_t kb = 0; kb < KB; ++kb) std::memset(xa + (mb * KB + kb) * 512 + 32 * r, 0, 64);
         continue;
       }
       const uint16_t* xr = x + m * K;
