@@ -90,8 +90,8 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
 
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
 // xa bf16 [ceil(M/16)][K/32][16 rows][32] (16-row blocks [mb0, mb1)), so that every A tile load reads 1 KiB of
-// contiguous memory; rows >= M are zeroed for M > 32 only (the kernels for M <= 32 configure their A and C tiles
-// with the real row count, so they never read them) (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB).
+// contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB). Rows >= M are zeroed
+// only for M > 32: the kernels for M <= 32 configure their A and C tiles with the real row count and never read them.
 // Call only after w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once per
 // process).
 bool w4a16_amx_available();
