@@ -91,12 +91,15 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
 // xa bf16 [ceil(M/16)][K/32][16 rows][32] (16-row blocks [mb0, mb1)), so that every A tile load reads 1 KiB of
 // contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB). Rows >= M are zeroed
-// only for M > 32: the kernels for M <= 32 configure their A and C tiles with the real row count and never read them.
-// Call only after w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once per
-// process).
+// only for M > kAmxSmallMaxM: the small-M kernels configure their A and C tiles with the real row count and never
+// read them. Call only after w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once
+// per process).
+// Up to this M the AMX path streams the weights through L1 one 32-k step at a time (amx_small_*: at most two
+// 16-row blocks, tiles of the real row count); above it, blocks of panels are decoded once for all 16-row blocks.
+constexpr int64_t kAmxSmallMaxM = 32;
 bool w4a16_amx_available();
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1);
-// int4 with M <= 32 and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
+// int4 with M <= kAmxSmallMaxM and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
 // the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
 bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);

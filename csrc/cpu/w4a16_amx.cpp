@@ -472,7 +472,7 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
       if (m < M) {
         const uint16_t* xr = x + m * ldx;
         for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_loadu_si512(xr + 32 * kb));
-      } else if (M > 32) {  // only amx_blocked's full 16-row tiles read rows >= M
+      } else if (M > kAmxSmallMaxM) {  // only amx_blocked's full 16-row tiles read rows >= M
         for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_setzero_si512());
       }
     }
@@ -484,8 +484,8 @@ void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa
   for (int64_t mb = mb0; mb < mb1; ++mb)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t m = 16 * mb + r;
-      if (m >= M) {  // read only by amx_blocked's full 16-row tiles (M > 32)
-        if (M > 32)
+      if (m >= M) {  // read only by amx_blocked's full 16-row tiles
+        if (M > kAmxSmallMaxM)
           for (int64_t kb = 0; kb < KB; ++kb) std::memset(xa + (mb * KB + kb) * 512 + 32 * r, 0, 64);
         continue;
       }
@@ -509,21 +509,24 @@ void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa
 
 void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe, int64_t M, int64_t p0, int64_t p1) {
 #if HF_W4_FP16_DECODE
-  if (M <= 32) amx_small_nvfp4_fp16(g, xa, rowe, M, p0, p1);
+  if (M <= kAmxSmallMaxM) amx_small_nvfp4_fp16(g, xa, rowe, M, p0, p1);
   else amx_impl_nvfp4_fp16(g, xa, rowe, M, p0, p1);
 #else
   (void)g; (void)xa; (void)rowe; (void)M; (void)p0; (void)p1;
 #endif
 }
 
-// xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 with M <= 32
-bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) { return M <= 32 && g.mode != W4_NVFP4 && g.gs % 32 == 0; }
+// xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 on the raw-code
+// kernel (w4a16_amx_raw_ok)
+bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) {
+  return M <= kAmxSmallMaxM && g.mode != W4_NVFP4 && g.gs % 32 == 0;
+}
 
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   if (w4a16_amx_raw_ok(g, M)) {
     if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM>(g, xa, xsum, M, p0, p1);
     else amx_small_raw<W4_SYM>(g, xa, xsum, M, p0, p1);
-  } else if (M <= 32) {
+  } else if (M <= kAmxSmallMaxM) {
     if (g.mode == W4_NVFP4) amx_small_folded<W4_NVFP4>(g, xa, M, p0, p1);
     else if (g.mode == W4_ASYM) amx_small_folded<W4_ASYM>(g, xa, M, p0, p1);
     else amx_small_folded<W4_SYM>(g, xa, M, p0, p1);

@@ -311,12 +311,13 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     const int64_t MB = (M + 15) / 16;
-    // packed activations; for M <= 32 (at most 32 x K x 2 bytes) in a buffer kept per calling thread: a fresh
-    // allocation per call cost ~1 us there (with glibc's malloc_consolidate on its release; perf, K = 2048, M = 4)
+    // packed activations; for the small-M kernels (at most kAmxSmallMaxM x K x 2 bytes) in a buffer kept per
+    // calling thread: a fresh allocation per call cost ~1 us there (with glibc's malloc_consolidate on its release;
+    // perf, K = 2048, M = 4)
     thread_local AlignedBuf<uint16_t> xa_small;
     at::Tensor xa;
     uint16_t* xap;
-    if (M <= 32) {
+    if (M <= kAmxSmallMaxM) {
       xap = xa_small.get(static_cast<size_t>(MB * K * 16));
     } else {
       xa = at::empty({MB * K * 16}, x.options().dtype(at::kBFloat16));
