@@ -301,6 +301,25 @@ def test_amx_panel_blocks(threads, k):
     check(y, x, W, None, True, f"amx blocks threads={threads} K={k}")
 
 
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("k,gs,sym", [(128, 128, True), (384, 128, False), (192, 64, True), (96, 32, False),
+                                      (640, 640, True)])
+def test_amx_raw_group_counts(k, gs, sym):
+    """The raw-code AMX kernel (int4, M <= 32, groups of a multiple of 32) with one, an odd and an even number of
+    groups per panel: with M <= 16 the groups alternate between two tile sets and each group's C is read back behind
+    the next group's products (the last group after the loop); M = 17 / 32 take the two-block tiles. Same budget as
+    test_amx_path."""
+    n = 72
+    spec, qw = make_qweight("gptq", n, k, gs, sym=sym, act_order=False, seed=13)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(7)
+    for M in (1, 2, 5, 16, 17, 32):
+        x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, path=2)
+        check(y, x, W, None, True, f"amx raw K={k} g={gs} sym={sym} M={M}")
+
+
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("layout,sym", [("gptq", True), ("awq", False), ("modelopt_nvfp4", True)])
 def test_int16_path_exact_on_grid_and_nonfinite(layout, sym, isa):

@@ -95,6 +95,15 @@ inline void tile_step(const uint16_t* b, const uint16_t* a0, const uint16_t* a1,
   }
 }
 
+// The same step on the second tile set alone (A tile 7, C tiles 5, 6), for amx_small_raw's odd groups when M <= 16.
+inline void tile_step_set1(const uint16_t* b, const uint16_t* a) {
+  HF_TILE_LOAD(1, b, 64);
+  HF_TILE_LOAD(2, b + 512, 64);
+  HF_TILE_LOAD(7, a, 64);
+  _tile_dpbf16ps(5, 7, 1);
+  _tile_dpbf16ps(6, 7, 2);
+}
+
 // Decodes 16 k-pairs x 32 columns of packed codes to bf16 B tiles with the group scales (and zero points) folded
 // in: dst[0..511] columns 0..15, dst[512..1023] columns 16..31 (VNNI-2 rows; the packed layout's (column, parity)
 // lanes are exactly that order, so no shuffles). fp32 LUT (vpermps), scale, round to bf16.
@@ -277,10 +286,11 @@ inline void decode_raw16(const uint8_t* qk, const __m512i lut, uint16_t* bbuf) {
 }
 
 // Tile configuration of the small-M kernels (M <= 32, tile_step's numbering): A and C tiles with M rows (<= 16) per
-// 16-row block; returns whether there are two blocks.
+// 16-row block; returns whether there are two blocks. With one, tiles 7 and 5, 6 take M rows too (a second tile set
+// for the same rows: tile_step_set1).
 inline bool small_tile_config(int64_t M) {
   const bool two = M > 16;
-  const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : 16;
+  const int r0 = two ? 16 : static_cast<int>(M), r1 = two ? static_cast<int>(M - 16) : r0;
   TileCfg cfg = tile_config();
   cfg.rows[0] = r0; cfg.colsb[0] = 64;             // A, rows 0..15
   cfg.rows[7] = r1; cfg.colsb[7] = 64;             // A, rows 16..
@@ -295,8 +305,14 @@ inline bool small_tile_config(int64_t M) {
 // load, 2 vpermw and 1 shift per k-pair x 32 columns, no fp32 detour), and the group scales (and zero points,
 // through the per-group activation sums) are applied to the C tiles once per group. The decode is what costs at
 // small M, so this is ~3x cheaper per weight than decoding with the scales folded in. A / C tiles have M (<= 16)
-// rows per block. (Tried: alternating two C tile pairs between groups and reading a group's C back only after
-// the next group was issued - slower, M=1 0.94 vs 0.60-0.67 ms; NVFP4 here with 16-k steps and 8-row B tiles
+// rows per block. With M <= 16 the groups alternate between two tile sets (A 0 / C 3, 4 and A 7 / C 5, 6) and a
+// group's C tiles are stored and scaled only once the next group's first tile products are issued: a tile store
+// right behind the products it reads waits for them, once per group. Measured (variants switched at run time in
+// one process, bit-identical results): 1 thread, hot, 2048x2048, us, M = 2 / 4 / 8 / 16: 117 / 125 / 135 / 171 ->
+// 105 / 110 / 124 / 153; 2 threads, cold, medians of 7 interleaved rounds, ms, M = 4 / 8 / 16: 4096x4096 0.388 /
+// 0.424 / 0.485 -> 0.373 / 0.399 / 0.460, 11008x4096 0.975 / 1.064 / 1.221 -> 0.945 / 1.016 / 1.208. (An early
+// version of the alternation, on the kernel before double buffering, had measured slower: M=1 0.94 vs 0.60-0.67
+// ms.) (Tried: NVFP4 here with 16-k steps and 8-row B tiles
 // - slower than a stacked kernel (two 16-k blocks per tile product) for M <= 8 and than the scale-folding decode
 // for M > 8, e.g. M=16 1.9 vs 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded. The
 // activation rows prefetched into L1 2 or 3 steps ahead: no difference, M = 4 / 16 / 32 on all four bench shapes,
@@ -316,17 +332,8 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     std::memset(acc, 0, sizeof(float) * 32 * M);
-    decode_raw16(q, lut, bbuf[0]);
-    for (int64_t gi = 0; gi < G; ++gi) {
-      _tile_zero(3); _tile_zero(4);
-      if (two) { _tile_zero(5); _tile_zero(6); }
-      for (int64_t kb = gi * steps; kb < (gi + 1) * steps; ++kb) {
-        if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
-        tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
-      }
-      HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128);
-      if (two) { HF_TILE_STORE(5, &cb[16][0], 128); HF_TILE_STORE(6, &cb[16][16], 128); }
-      // acc += scale * C (- zero * scale * xsum)
+    // acc += scale * C (- zero * scale * xsum) of group gi, C stored in cb
+    auto flush = [&](int64_t gi) {
       const int64_t so = (p * G + gi) * W4_NP;
       __m512 s0, s1;
       load_scales<MODE>(g, so, s0, s1);
@@ -341,6 +348,36 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
         _mm512_store_ps(acc[m], v0);
         _mm512_store_ps(acc[m] + 16, v1);
       }
+    };
+    // M <= 16: C tiles 3, 4 (even groups) or 5, 6 (odd groups) to cb
+    auto store_set = [&](bool odd) {
+      if (odd) { HF_TILE_STORE(5, &cb[0][0], 128); HF_TILE_STORE(6, &cb[0][16], 128); }
+      else { HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128); }
+    };
+    decode_raw16(q, lut, bbuf[0]);
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const bool odd = !two && (gi & 1);
+      if (odd) { _tile_zero(5); _tile_zero(6); }
+      else { _tile_zero(3); _tile_zero(4); }
+      if (two) { _tile_zero(5); _tile_zero(6); }
+      for (int64_t kb = gi * steps; kb < (gi + 1) * steps; ++kb) {
+        if (kb + 1 < KB) decode_raw16(q + (kb + 1) * 16 * W4_NP, lut, bbuf[(kb + 1) & 1]);
+        if (odd) tile_step_set1(bbuf[kb & 1], xa + kb * 512);
+        else tile_step(bbuf[kb & 1], xa + kb * 512, two ? xa + (KB + kb) * 512 : nullptr, two);
+        if (!two && gi > 0 && kb == gi * steps) {  // the previous group, behind this group's first products
+          store_set(!odd);
+          flush(gi - 1);
+        }
+      }
+      if (two) {
+        HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128);
+        HF_TILE_STORE(5, &cb[16][0], 128); HF_TILE_STORE(6, &cb[16][16], 128);
+        flush(gi);
+      }
+    }
+    if (!two) {
+      store_set((G - 1) & 1);
+      flush(G - 1);
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, acc[m], W4_NP);
   }
