@@ -349,7 +349,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
         _mm512_store_ps(acc[m] + 16, v1);
       }
     };
-    // M <= 16: C tiles 3, 4 (even groups) or 5, 6 (odd groups) to cb
+    // C tiles 3, 4 (rows 0..15, or M <= 16 and an even group) or 5, 6 (M <= 16 and an odd group) to cb rows 0..
     auto store_set = [&](bool odd) {
       if (odd) { HF_TILE_STORE(5, &cb[0][0], 128); HF_TILE_STORE(6, &cb[0][16], 128); }
       else { HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128); }
@@ -370,7 +370,7 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
         }
       }
       if (two) {
-        HF_TILE_STORE(3, &cb[0][0], 128); HF_TILE_STORE(4, &cb[0][16], 128);
+        store_set(false);
         HF_TILE_STORE(5, &cb[16][0], 128); HF_TILE_STORE(6, &cb[16][16], 128);
         flush(gi);
       }
@@ -498,6 +498,13 @@ HF_W4_FP16_TARGET void amx_impl_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, 
 }
 #endif
 
+// Row r >= M of a packed 16-row block (d: the row's first 32 k; the next 32 k are 512 elements on): zeroed only for
+// M > kAmxSmallMaxM, where amx_blocked's full 16-row tiles read it; the small-M kernels' tiles have the real row count.
+inline void pad_row(uint16_t* d, int64_t KB, int64_t M) {
+  if (M > kAmxSmallMaxM)
+    for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_setzero_si512());
+}
+
 }  // namespace
 
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1) {
@@ -509,8 +516,8 @@ void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint
       if (m < M) {
         const uint16_t* xr = x + m * ldx;
         for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_loadu_si512(xr + 32 * kb));
-      } else if (M > kAmxSmallMaxM) {  // only amx_blocked's full 16-row tiles read rows >= M
-        for (int64_t kb = 0; kb < KB; ++kb) _mm512_store_si512(d + kb * 512, _mm512_setzero_si512());
+      } else {
+        pad_row(d, KB, M);
       }
     }
 }
@@ -521,9 +528,8 @@ void w4a16_amx_pack_a_pow2(const uint16_t* x, int64_t M, int64_t K, uint16_t* xa
   for (int64_t mb = mb0; mb < mb1; ++mb)
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t m = 16 * mb + r;
-      if (m >= M) {  // read only by amx_blocked's full 16-row tiles
-        if (M > kAmxSmallMaxM)
-          for (int64_t kb = 0; kb < KB; ++kb) std::memset(xa + (mb * KB + kb) * 512 + 32 * r, 0, 64);
+      if (m >= M) {
+        pad_row(xa + mb * KB * 512 + 32 * r, KB, M);
         continue;
       }
       const uint16_t* xr = x + m * K;
