@@ -7,17 +7,18 @@
 // 16-row bf16 activation tile by tdpbf16ps into two fp32 C tiles (2 x 2 register blocking: two 16-row A tiles,
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of 8 panels x 2048 k (1 MiB) is decoded once into a per-thread buffer and every 32-row block runs
-// over it (C tiles spilled between K chunks), so the decode is paid once per weight, and the next row block is
-// prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
+// over it, 256 k at a time across the block's panels (C tiles spilled between the 256-k sub-chunks), so the
+// decode is paid once per weight, and the next row block is prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
 // products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
 // scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products, also
 // the decoder of the blocked kernel for NVFP4), the rest in amx_small_folded. With one buffer, decode and tiles
 // took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every line of the step
 // prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
-// oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k chunks with the C tiles spilled to L1 (1.3-2x
-// slower), whole-panel decode per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart
-// alias in L1: packed A makes every tile load 1 KiB of contiguous memory).
+// oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k decode chunks with the C tiles spilled to L1
+// (1.3-2x slower, on an older kernel; the 256-k sub-chunks of the tile loop decode nothing), whole-panel decode
+// per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart alias in L1: packed A makes
+// every tile load 1 KiB of contiguous memory).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -198,19 +199,27 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
   // 3.86-3.88 / 14.31-14.78 vs 3.92-4.08 / 14.61-14.63, 11008x4096 10.44-10.70 / 37.2-38.8 vs 10.8-10.9 / 39.7-40.1,
   // 4096x11008 10.6-13.2 / 36.6-37.4 vs 11.3-11.6 / 39.1-41.2 (dense bf16 1.03 / 3.54 and 4.39 / 14.77).
   const int64_t KCB = std::min<int64_t>(KB, 64);  // 32-k steps per chunk
+  // Within a chunk a 32-row block walks 8 steps (256 k) over all NB panels before the next 8: its two A tiles
+  // per step (16 KiB) are then read from L1 by every panel instead of from L2 by each in turn, for one C-tile
+  // spill and reload per panel per 8 steps. The 2 x 2 tile loop is bound by its tile loads (stand-alone,
+  // random bf16, 1 thread: ~10.2 ns per TDP with both operands from L2, ~9.2 with A from L1 after the spills;
+  // the products alone 5.2). Whole kernel, 2 threads, cold, 5 interleaved rounds, int4, ms, 64 vs 8 steps:
+  // 4096x4096 M=128 / 256 / 1024 2.51 / 4.12 / 14.1 -> 2.36 / 4.00 / 13.7, 11008x4096 M=256 / 1024
+  // 11.2 / 39.5 -> 10.4 / 36.4, 2048x2048 M=1024 3.56 -> 3.41, no shape or M (40 - 1024) slower; 4 and 16
+  // steps measured slower than 8 (16: the A tiles of the two row blocks, KB KiB apart, share L1 sets).
+  constexpr int64_t kAmxSubSteps = 8;
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
-  const bool chunked = KCB < KB;
+  const bool spill = kAmxSubSteps < KB;
   // 64-byte aligned (AlignedBuf). A stand-alone copy of this tile loop with its buffers 16 bytes off
   // ran 21 ns per TDP against 13 ns aligned; the whole kernel (1 thread, 4096x4096, M = 1024) 29.2 vs 30.3-31.5 ms.
   thread_local AlignedBuf<uint16_t> pbuf_s;
   thread_local AlignedBuf<float> cacc_s;
   uint16_t* const pbuf = pbuf_s.get(static_cast<size_t>(NB * KCB * 1024));
-  float* const cacc = chunked ? cacc_s.get(static_cast<size_t>(((MB + 1) / 2) * NB * 1024)) : nullptr;
+  float* const cacc = spill ? cacc_s.get(static_cast<size_t>(((MB + 1) / 2) * NB * 1024)) : nullptr;
   for (int64_t pb = p0; pb < p1; pb += NB) {
     const int64_t pe = std::min(p1, pb + NB);
     for (int64_t k0 = 0; k0 < KB; k0 += KCB) {
       const int64_t k1 = std::min(KB, k0 + KCB), kn = k1 - k0;
-      const bool first = k0 == 0, last = k1 == KB;
       for (int64_t p = pb; p < pe; ++p)
         for (int64_t kb = k0; kb < k1; ++kb) decode(p, 16 * kb, pbuf + ((p - pb) * KCB + kb - k0) * 1024);
       for (int64_t mb = 0; mb < MB; mb += 2) {
@@ -225,26 +234,30 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
         const char* an1 = an0 + KB * 1024;
         const int64_t an_lines = std::min<int64_t>(2, MB - nmb) * kn * 16;
         const int64_t per = (an_lines + (pe - pb) * kn - 1) / ((pe - pb) * kn);
-        for (int64_t p = pb; p < pe; ++p) {
-          const uint16_t* b = pbuf + (p - pb) * KCB * 1024;
-          float* cs = chunked ? cacc + ((mb / 2) * NB + (p - pb)) * 1024 : nullptr;
-          if (first) {
-            _tile_zero(3); _tile_zero(4);
-            if (two) { _tile_zero(5); _tile_zero(6); }
-          } else {
-            HF_TILE_LOAD(3, cs, 64); HF_TILE_LOAD(4, cs + 256, 64);
-            if (two) { HF_TILE_LOAD(5, cs + 512, 64); HF_TILE_LOAD(6, cs + 768, 64); }
-          }
-          for (int64_t kb = k0; kb < k1; ++kb) {
-            for (int64_t l = ((p - pb) * kn + kb - k0) * per, le = std::min(an_lines, l + per); l < le; ++l)
-              _mm_prefetch((l < kn * 16 ? an0 : an1 - kn * 1024) + 64 * l, _MM_HINT_T1);
-            tile_step(b + (kb - k0) * 1024, a0 + kb * 512, a1 + kb * 512, two);
-          }
-          if (last) {
-            epilogue(p, mb, two);
-          } else {
-            HF_TILE_STORE(3, cs, 64); HF_TILE_STORE(4, cs + 256, 64);
-            if (two) { HF_TILE_STORE(5, cs + 512, 64); HF_TILE_STORE(6, cs + 768, 64); }
+        int64_t l = 0;
+        for (int64_t ks = k0; ks < k1; ks += kAmxSubSteps) {
+          const int64_t ke = std::min(k1, ks + kAmxSubSteps);
+          for (int64_t p = pb; p < pe; ++p) {
+            const uint16_t* b = pbuf + (p - pb) * KCB * 1024;
+            float* cs = spill ? cacc + ((mb / 2) * NB + (p - pb)) * 1024 : nullptr;
+            if (ks == 0) {
+              _tile_zero(3); _tile_zero(4);
+              if (two) { _tile_zero(5); _tile_zero(6); }
+            } else {
+              HF_TILE_LOAD(3, cs, 64); HF_TILE_LOAD(4, cs + 256, 64);
+              if (two) { HF_TILE_LOAD(5, cs + 512, 64); HF_TILE_LOAD(6, cs + 768, 64); }
+            }
+            for (int64_t kb = ks; kb < ke; ++kb) {
+              for (const int64_t le = std::min(an_lines, l + per); l < le; ++l)
+                _mm_prefetch((l < kn * 16 ? an0 : an1 - kn * 1024) + 64 * l, _MM_HINT_T1);
+              tile_step(b + (kb - k0) * 1024, a0 + kb * 512, a1 + kb * 512, two);
+            }
+            if (ke == KB) {
+              epilogue(p, mb, two);
+            } else {
+              HF_TILE_STORE(3, cs, 64); HF_TILE_STORE(4, cs + 256, 64);
+              if (two) { HF_TILE_STORE(5, cs + 512, 64); HF_TILE_STORE(6, cs + 768, 64); }
+            }
           }
         }
       }
