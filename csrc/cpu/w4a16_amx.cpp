@@ -8,10 +8,11 @@
 // two B tiles, four C tiles). Activations are packed into contiguous 1 KiB tiles first (w4a16_amx_pack_a).
 // A block of 8 panels x 2048 k (1 MiB) is decoded once into a per-thread buffer and every 32-row block runs
 // over it, 256 k at a time across the block's panels (C tiles spilled between the 256-k sub-chunks), so the
-// decode is paid once per weight, and the next row block is prefetched into L2. (M <= 32 streams instead, each 32-k step decoded into one of two L1 buffers while the tile
-// products of the step before run on the other: int4 groups of a multiple of 32 in amx_small_raw - raw codes,
-// scales on the accumulators -, NVFP4 in amx_small_nvfp4_fp16 (scales folded in through fp16 products, also
-// the decoder of the blocked kernel for NVFP4), the rest in amx_small_folded. With one buffer, decode and tiles
+// decode is paid once per weight, and the next row block is prefetched into L2. (M <= 32 streams instead, each
+// 32-k step decoded into one of two L1 buffers while the tile products of the step before run on the other:
+// int4 groups of a multiple of 32 in amx_small_raw - raw codes, scales on the accumulators -, NVFP4 in
+// amx_small_nvfp4_fp16 (scales folded in through fp16 products, also the decoder of the blocked kernel for
+// NVFP4), the rest in amx_small_folded. With one buffer, decode and tiles
 // took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every line of the step
 // prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
 // the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
@@ -209,13 +210,16 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
   // steps measured slower than 8 (16: the A tiles of the two row blocks, KB KiB apart, share L1 sets).
   constexpr int64_t kAmxSubSteps = 8;
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
-  const bool spill = kAmxSubSteps < KB;
+  // C tiles are spilled between sub-chunks; only across K chunks must every 32-row block keep its own (measured,
+  // 2048x2048 int4, one chunk, 7 interleaved rounds, ms, a slot per row block / one reused: M=1024 3.53-3.55 /
+  // 3.43-3.45, M=256 1.02-1.03 / 1.00-1.01; NVFP4 M=1024 level, 3.65 / 3.63)
+  const bool spill = kAmxSubSteps < KB, chunked = KCB < KB;
   // 64-byte aligned (AlignedBuf). A stand-alone copy of this tile loop with its buffers 16 bytes off
   // ran 21 ns per TDP against 13 ns aligned; the whole kernel (1 thread, 4096x4096, M = 1024) 29.2 vs 30.3-31.5 ms.
   thread_local AlignedBuf<uint16_t> pbuf_s;
   thread_local AlignedBuf<float> cacc_s;
   uint16_t* const pbuf = pbuf_s.get(static_cast<size_t>(NB * KCB * 1024));
-  float* const cacc = spill ? cacc_s.get(static_cast<size_t>(((MB + 1) / 2) * NB * 1024)) : nullptr;
+  float* const cacc = spill ? cacc_s.get(static_cast<size_t>((chunked ? (MB + 1) / 2 : 1) * NB * 1024)) : nullptr;
   for (int64_t pb = p0; pb < p1; pb += NB) {
     const int64_t pe = std::min(p1, pb + NB);
     for (int64_t k0 = 0; k0 < KB; k0 += KCB) {
@@ -239,7 +243,7 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
           const int64_t ke = std::min(k1, ks + kAmxSubSteps);
           for (int64_t p = pb; p < pe; ++p) {
             const uint16_t* b = pbuf + (p - pb) * KCB * 1024;
-            float* cs = spill ? cacc + ((mb / 2) * NB + (p - pb)) * 1024 : nullptr;
+            float* cs = spill ? cacc + ((chunked ? mb / 2 : 0) * NB + (p - pb)) * 1024 : nullptr;
             if (ks == 0) {
               _tile_zero(3); _tile_zero(4);
               if (two) { _tile_zero(5); _tile_zero(6); }
