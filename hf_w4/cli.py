@@ -75,6 +75,9 @@ def cmd_info(a) -> int:
         print(f"layers   {len(rows)} quantized")
         for (fmt, kern), rs in groups.items():
             print(f"  {len(rs):4d} x {fmt} -> {kern}")
+        if any(r["kernel"] == "cpu_w4a16" for r in rows):
+            import torch
+            print(f"cpu_w4a16 {torch.ops.hf_w4.cpu_w4a16_info()}")
         if not a.summary:
             print()
             w = max(len(r["name"]) for r in rows)

@@ -21,12 +21,15 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # Kernel layout (see csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns),
 # scales fp32 [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]), zs fp32 [P, G, 32] = zero*scale
 # (asymmetric int4 only, else an empty tensor). gemm: isa "" = auto (env HF_W4_ISA caps it),
-# "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear,
-# 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to auto), 3 = int16
-# activations x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd; any x dtype when forced, inf / nan in x fall back to
-# path 0). Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: up to 2 for groups of 128
-# or more, 3 for 64, 4 for 32; AVX-512 without AMX: 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables);
-# int4 groups that are not a multiple of 32 take AMX from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp). On
+# "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear (bf16
+# x: a bf16 GEMM), 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to
+# auto), 3 = int16 activations x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd; any x dtype when forced, inf / nan in
+# x fall back to path 0; a group size without an int16 block: auto), 4 = dequantize to fp32 + fp32 GEMM.
+# Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: up to 2 for groups of 128 or
+# more, 3 for 64, 4 for 32; AVX-512 without AMX: 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables);
+# int4 groups that are not a multiple of 32 take AMX from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp).
+# Above that without AMX, bf16 x takes whichever of paths 3, 1 and 4 ran fastest on this CPU, timed once per process
+# and ISA at the first such call (HF_W4_LARGE_PATH=int16|bf16|fp32 sets it; cpu_w4a16_info reports it). On
 # AMX, NVFP4 folds its block scales in through fp16 products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the
 # fp32 decode; bit-identical results). On path 3, NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI
 # (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ repack uses AVX2 byte shuffles.
@@ -34,6 +37,10 @@ lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor sca
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
            "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
+# cpu_w4a16_info: the ISA, whether AMX is used, and the large-M bf16 path with the times it was chosen by (times it
+# first if no call has yet), e.g. "isa=avx512 amx=no large_m_bf16_path=int16 (timed, 128x512x512, ms: int16 0.156,
+# bf16 0.398, fp32 0.288)".
+lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 
 
 def _w4a16_panels(n: int) -> int:

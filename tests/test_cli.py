@@ -3,6 +3,7 @@ demo in quick mode (two formats; the notebook test runs every format)."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,8 @@ def test_info_quantized(tiny_gptq, capsys, tmp_path):
     rows = json.loads(out.read_text())["layers"]
     assert len(rows) == 14                                    # 2 layers x 7 projections; lm_head stays dense
     assert "format   gptq" in text and "packed vs" in text
+    if any(r["kernel"] == "cpu_w4a16" for r in rows):      # the ISA and the timed large-M choice
+        assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) large_m_bf16_path=(int16|bf16|fp32) \(", text), text
     for r in rows:
         assert r["kernel"] in text and r["name"] in text
         for k, why in r["rejected"].items():

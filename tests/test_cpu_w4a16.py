@@ -142,7 +142,7 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(M, k, generator=gen).to(dt)
                 bias = bias_f.to(dt) if rnd.random() < 0.5 else None
-                for path in (-1, 0, 1, 2, 3) if M in (3, 17) else (-1,):
+                for path in (-1, 0, 1, 2, 3, 4) if M in (3, 17) else (-1,):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                            global_scale=qw.global_scale or 1.0, isa=isa, path=path)
                     # auto may pick the AMX path from M=3 (int4 groups of 128 or more; 64: M=4; otherwise above
@@ -416,6 +416,81 @@ def _same_outputs_with_env_flag(tmp_path, var, body):
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     return len(outs[0])
+
+
+def _large_choice(isa):
+    """cpu_w4a16_info(isa) -> (chosen large-M path number, {path: ms} of the timed candidates)."""
+    import re
+    info = torch.ops.hf_w4.cpu_w4a16_info(isa)
+    num = {"int16": 3, "bf16": 1, "fp32": 4}
+    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16_path=(int16|bf16|fp32) \((.*)\)$", info)
+    assert m, info
+    times = {num[a]: float(b) for a, b in re.findall(r"(int16|bf16|fp32) ([0-9.]+)", m.group(4))}
+    assert m.group(4).startswith(("timed", "the only candidate", "HF_W4_LARGE_PATH")), info
+    if times:
+        assert min(times, key=times.get) == num[m.group(3)], info
+    return num[m.group(3)], times
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
+    """bf16 x above the small-M kernels where AMX does not take them (here K % 32 != 0): the auto path runs the
+    candidate that cpu_w4a16_info names (int16 x raw codes, dequantize + bf16 GEMM or dequantize + fp32 GEMM, timed
+    once per process), bit for bit - and where int16 won but the group size has no int16 block (g18), the faster of
+    the other two. Int4 sym / asym and NVFP4; every forced candidate within the reference budget."""
+    chosen, times = _large_choice(isa)
+    cases = [("gptq", True, 48, 336), ("ct_pack", False, 48, 336), ("ct_nvfp4", True, 16, 336),
+             ("ct_pack", True, 18, 360)]
+    for layout, sym, gs, k in cases:
+        spec, qw = make_qweight(layout, 80, k, gs, sym=sym, seed=k + gs)
+        W = layouts.dequantize(qw)
+        q, s, z, perm = prep(qw)
+        gen = torch.Generator().manual_seed(gs)
+        for M in (40, 70):
+            x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
+            run = lambda path: ops.cpu_w4a16_gemm(x, q, s, z, 80, qw.group_size, qw.weight_type, perm=perm,
+                                                  global_scale=qw.global_scale or 1.0, isa=isa, path=path)
+            want = chosen
+            if want == 3 and (gs == 18 or isa == "generic"):
+                want = min((p for p in times if p != 3), key=times.get)
+            what = f"{spec.describe()} K={k} M={M} isa={isa}"
+            assert torch.equal(run(-1), run(want)), f"{what}: auto is not path {want}"
+            if gs == 18 or isa == "generic":
+                assert torch.equal(run(3), run(-1)), f"{what}: path 3 without an int16 block is not auto"
+            for path in (1, 4) + ((3,) if isa != "generic" and gs != 18 else ()):
+                check(run(path), x, W, None, path == 1, f"{what} path={path}",
+                      i16_group=_group(qw, k) if path == 3 else None)
+
+
+def test_large_m_path_env_setting(tmp_path):
+    """HF_W4_LARGE_PATH=fp32 sets the choice (reported as such, auto == path 4 bit for bit); a value that is not
+    int16 / bf16 / fp32 is an error that names the variable, the value and the choices."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, torch\nsys.path.insert(0, %r)\nfrom test_cpu_w4a16 import make_qweight, prep\n"
+            "from hf_w4 import ops, _ext\n_ext.load()\n"
+            "print(torch.ops.hf_w4.cpu_w4a16_info())\n"
+            "spec, qw = make_qweight('gptq', 80, 336, 48)\nq, s, z, perm = prep(qw)\n"
+            "x = torch.randn(40, 336).to(torch.bfloat16)\n"
+            "r = lambda p: ops.cpu_w4a16_gemm(x, q, s, z, 80, 48, 'int4', perm=perm, path=p)\n"
+            "print(torch.equal(r(-1), r(4)))\n" % os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, HF_W4_LARGE_PATH="fp32"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [out.stdout.split("\n")[0], "True"], out.stdout
+    assert "large_m_bf16_path=fp32 (HF_W4_LARGE_PATH)" in out.stdout, out.stdout
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, HF_W4_LARGE_PATH="fast"))
+    assert bad.returncode != 0
+    assert "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', got 'fast'" in bad.stderr, bad.stderr
+
+
+def test_gemm_rejects_unknown_path():
+    spec, qw = make_qweight("gptq", 64, 128, 32)
+    q, s, z, perm = prep(qw)
+    with pytest.raises(RuntimeError, match="path must be -1 \\(auto\\) or 0..4, got 7"):
+        ops.cpu_w4a16_gemm(torch.randn(2, 128), q, s, z, 64, 32, "int4", perm=perm, path=7)
 
 
 @pytest.mark.skipif(not ("avx512" in ISAS and "avx512vbmi" in _FLAGS), reason="this CPU has no AVX-512 VBMI")

@@ -5,11 +5,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -245,6 +249,107 @@ std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
                 const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t n,
                 int64_t group_size, c10::string_view weight_type, double global_scale, c10::string_view isa_req,
+                int64_t path);
+
+// bf16 activations above the small-M kernels' range where AMX does not take them (CPUs without AMX, K % 32 != 0,
+// HF_W4_AMX=0): three candidates, and which is fastest depends on the CPU and on torch's GEMM library - so it is
+// timed. Path 3 = int16 activations x raw codes (the small-M kernel at any M), 1 = dequantize to bf16 + bf16
+// GEMM (at::linear), 4 = dequantize to fp32 + fp32 GEMM (x widened exactly, y rounded to bf16 once). Measured on
+// the AVX-512 Xeon VM, 2 threads, cold, 4096x4096, ms (path 3 / 1 / 4 / dense bf16 F.linear):
+//   oneDNN capped to AVX512_CORE_BF16 (no AMX, as on AMD Zen 4/5):  M=64 4.25 / 13.2 / 11.0 / 10.8,
+//     M=256 16.6 / 41.0 / 29.0 / 38.3 (vdpbf16ps runs 1.86 G/s per core there, vfmadd231ps 7.47 G/s; dense bf16
+//     is at 92 % of that bf16 peak)
+//   oneDNN capped to AVX2 (our ISA capped too): M=32 5.0 / 3630 / 8.0 / 26.6, M=64 10.0 / 6878 / 11.4 / 53.1,
+//     M=256 40.1 / 28524 / 29.7 / 222 (the bf16 GEMM on a transposed weight view without bf16 hardware: seconds)
+// On AMD Zen 5 the bf16 GEMM reaches 654-692 GFLOP/s and MKL's fp32 160 (../shared/docs/perf-anchors.md), and with
+// AMX the bf16 GEMM wins by far. So at the first such call each candidate runs on a 128 x 512 x 512 int4 g128
+// problem (deterministic data; a warm-up run, a timed run, then 3 more interleaved runs and the minimum - a few ms;
+// a candidate over 4x the fastest timed run is not repeated), per ISA, and the fastest is kept for the process. The bf16 GEMM is a
+// candidate only on CPUs with bf16 arithmetic (AVX512-BF16; AMX), path 3 only with AVX-512 or AVX2.
+// HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice. cpu_w4a16_info reports it with the times.
+struct LargeChoice {
+  int path = 1;
+  double t[5] = {0, 0, 0, 0, 0};  // seconds per candidate path (1, 3, 4); 0 = not timed
+  bool from_env = false;
+};
+
+LargeChoice time_large_paths(CpuIsa isa) {
+  LargeChoice r;
+  const bool bf16_hw = cpu_best_isa() == CpuIsa::avx512;
+  std::vector<int> cand;
+  if (isa != CpuIsa::generic) cand.push_back(3);
+  if (bf16_hw) cand.push_back(1);
+  cand.push_back(4);
+  const char* e = std::getenv("HF_W4_LARGE_PATH");
+  if (e && *e) {
+    const std::string v(e);
+    TORCH_CHECK(v == "int16" || v == "bf16" || v == "fp32",
+                "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', got '", v, "'");
+    r.path = v == "int16" ? 3 : v == "bf16" ? 1 : 4;
+    TORCH_CHECK(std::find(cand.begin(), cand.end(), r.path) != cand.end(), "HF_W4_LARGE_PATH=", v,
+                " is not available here (", v == "int16" ? "needs AVX-512 or AVX2" : "needs AVX512-BF16", ")");
+    r.from_env = true;
+    return r;
+  }
+  if (cand.size() == 1) {
+    r.path = cand[0];
+    return r;
+  }
+  const int64_t M = 128, K = 512, N = 512, gs = 128, P = N / W4_NP, G = K / gs;
+  const auto i64 = at::TensorOptions().dtype(at::kLong), f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor q = at::arange(P * (K / 2) * W4_NP, i64).mul(37).remainder(256).to(at::kByte);
+  const at::Tensor sc = at::arange(P * G * W4_NP, f32).remainder(7).add(1).mul(0.002);
+  const at::Tensor x = at::arange(M * K, f32).remainder(13).sub(6).mul(0.25).reshape({M, K}).to(at::kBFloat16);
+  const at::Tensor zs = at::empty({0}, f32);
+  const std::string isa_s = isa_name(isa);
+  auto run = [&](int path) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gemm(x, q, sc, zs, std::nullopt, std::nullopt, N, gs, "int4", 1.0, isa_s, path);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (int c : cand) run(c);  // first use: oneDNN generates its kernels, buffers are allocated
+  double best = 1e30;
+  for (int c : cand) best = std::min(best, r.t[c] = run(c));
+  std::vector<int> keep;
+  for (int c : cand)
+    if (r.t[c] <= 4 * best) keep.push_back(c);
+  for (int i = 0; i < 3; ++i)
+    for (int c : keep) r.t[c] = std::min(r.t[c], run(c));
+  r.path = keep[0];
+  for (int c : keep)
+    if (r.t[c] < r.t[r.path]) r.path = c;
+  return r;
+}
+
+const LargeChoice& large_choice(CpuIsa isa) {
+  static LargeChoice c[3];
+  static std::once_flag f[3];
+  const int i = static_cast<int>(isa);
+  std::call_once(f[i], [&] { c[i] = time_large_paths(isa); });
+  return c[i];
+}
+
+std::string info(c10::string_view isa_req) {
+  const std::string ir(isa_req);
+  const CpuIsa isa = choose_isa(ir.c_str());
+  const LargeChoice& c = large_choice(isa);
+  auto name = [](int p) { return p == 3 ? "int16" : p == 1 ? "bf16" : "fp32"; };
+  std::string s = std::string("isa=") + isa_name(isa) + " amx=" +
+                  (amx_enabled() && w4a16_amx_available() ? "yes" : "no") + " large_m_bf16_path=" + name(c.path);
+  if (c.from_env) return s + " (HF_W4_LARGE_PATH)";
+  std::string t;
+  char buf[64];
+  for (int p : {3, 1, 4})
+    if (c.t[p] > 0) {
+      std::snprintf(buf, sizeof buf, "%s%s %.3f", t.empty() ? "" : ", ", name(p), c.t[p] * 1e3);
+      t += buf;
+    }
+  return s + (t.empty() ? " (the only candidate)" : " (timed, 128x512x512, ms: " + t + ")");
+}
+
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
+                const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias, int64_t n,
+                int64_t group_size, c10::string_view weight_type, double global_scale, c10::string_view isa_req,
                 int64_t path) {
   const std::string wt(weight_type), ir(isa_req);
   const int mode = mode_of(wt, zs.numel() > 0);
@@ -264,6 +369,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   TORCH_CHECK(mode != W4_ASYM || (zs.numel() == P * G * W4_NP && zs.is_contiguous() && zs.scalar_type() == at::kFloat),
               "cpu_w4a16_gemm: zs does not match the packed layout");
   if (bias) TORCH_CHECK(bias->numel() == n, "cpu_w4a16_gemm: bias must have N entries");
+  TORCH_CHECK(path >= -1 && path <= 4, "cpu_w4a16_gemm: path must be -1 (auto) or 0..4, got ", path);
   auto y = at::empty({M, n}, x_in.options());
   if (M == 0 || n == 0) return y;
   at::Tensor x = perm ? x_in.index_select(1, perm->to(at::kLong)) : x_in;
@@ -282,6 +388,13 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   const int64_t ag = isa != CpuIsa::generic ? i16_block(g) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
+  if (path == 3 && ag == 0) path = -1;  // no int16 block for this group size: the automatic choice
+  if (path < 0 && dt == at::kBFloat16 && !(amx_ok && M >= amx_min_m(g)) &&
+      M > std::max(i16_max_m(isa, amx_ok, g), fused_max_m(isa, dt))) {
+    const LargeChoice& c = large_choice(isa);
+    path = c.path;
+    if (path == 3 && ag == 0) path = c.t[1] > 0 && (c.t[4] == 0 || c.t[1] < c.t[4]) ? 1 : 4;
+  }
   if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok, g)))) {
     const int64_t nab = K / ag;
     at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
@@ -342,10 +455,11 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     return y;
   }
   if (path == 2) path = -1;
-  const bool fused = path == 0 || (path < 0 && M <= fused_max_m(isa, dt));
+  const bool fused = path == 0 || (path < 0 && M <= fused_max_m(isa, dt));  // path 1 / 4: the large-M path
   if (!fused) {
-    // large M: dequantize chunks of N to dense (bf16 for bf16 x, else fp32) and use at::linear (oneDNN / MKL)
-    const auto wdt = dt == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    // large M: dequantize chunks of N to dense (bf16 for bf16 x, except on path 4; else fp32) and use at::linear
+    // (oneDNN / MKL)
+    const auto wdt = dt == at::kBFloat16 && path != 4 ? at::kBFloat16 : at::kFloat;
     at::Tensor xc = x.to(wdt);
     std::optional<at::Tensor> bc;
     if (bias) bc = bias->to(wdt).contiguous();
@@ -400,4 +514,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
 TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {
   m.impl("cpu_w4a16_repack", &hf_w4::repack);
   m.impl("cpu_w4a16_gemm", &hf_w4::gemm);
+}
+
+TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
+  m.impl("cpu_w4a16_info", &hf_w4::info);
 }

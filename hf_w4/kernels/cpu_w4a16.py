@@ -13,9 +13,13 @@ weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that. Up to M = 
 buffer one 32-k step at a time (int4 groups of a multiple of 32: code values straight into the tiles, scales on the
 accumulators; otherwise decoded with the scales folded in); for larger M, blocks of panels are decoded once with the
 scales folded in and every 32-row block runs over them. NVFP4 folds its block scales in through fp16 products moved
-into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations, AVX2) a fused
-dequantize-in-registers fp32-FMA kernel for small M and dequantize-to-bf16 + oneDNN GEMM for large M (crossovers
-measured in csrc/cpu/w4a16_torch.cpp).
+into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations) a fused
+dequantize-in-registers fp32-FMA kernel for small M and dequantize + GEMM (oneDNN / MKL) for large M. bf16
+activations at large M without AMX take whichever of the int16 kernel, dequantize + bf16 GEMM and dequantize + fp32
+GEMM ran fastest on this CPU, timed once per process (``torch.ops.hf_w4.cpu_w4a16_info()`` says which and why;
+``HF_W4_LARGE_PATH`` sets it). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel ran
+2.2-2.5x the dense bf16 GEMM from M = 64 on; capped to AVX2, the fp32 GEMM won; with AMX, the bf16 GEMM. Crossovers
+measured in csrc/cpu/w4a16_torch.cpp.
 """
 from __future__ import annotations
 
@@ -40,8 +44,9 @@ class CpuW4A16Kernel(Kernel):
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
                    "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 3 (int4, groups of 128 or more), 4 "
-                   "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M, dequantize + "
-                   "bf16 GEMM for large M")
+                   "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M; large M without "
+                   "AMX: int16 kernel, dequantize + bf16 GEMM or + fp32 GEMM, whichever this CPU ran fastest (timed "
+                   "once per process)")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
