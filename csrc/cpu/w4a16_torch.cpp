@@ -2,10 +2,10 @@
 // w4a16_avx512.cpp / w4a16_avx2.cpp behind raw pointers, chosen at run time (csrc/cpu/isa.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -13,8 +13,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <mutex>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -263,10 +263,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
 //     M=256 40.1 / 28524 / 29.7 / 222 (the bf16 GEMM on a transposed weight view without bf16 hardware: seconds)
 // On AMD Zen 5 the bf16 GEMM reaches 654-692 GFLOP/s and MKL's fp32 160 (../shared/docs/perf-anchors.md), and with
 // AMX the bf16 GEMM wins by far. So at the first such call each candidate runs on a 128 x 512 x 512 int4 g128
-// problem (deterministic data; a warm-up run, a timed run, then 3 more interleaved runs and the minimum - a few ms;
-// a candidate over 4x the fastest timed run is not repeated), per ISA, and the fastest is kept for the process. The bf16 GEMM is a
-// candidate only on CPUs with bf16 arithmetic (AVX512-BF16; AMX), path 3 only with AVX-512 or AVX2.
-// HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice. cpu_w4a16_info reports it with the times.
+// problem (deterministic data; a warm-up run, a timed run, then 3 more interleaved runs and the minimum - a few
+// ms; a candidate over 4x the fastest timed run is not repeated), per ISA, and the fastest is kept for the
+// process. The bf16 GEMM is a candidate only on CPUs with bf16 arithmetic (AVX512-BF16; AMX), path 3 only with
+// AVX-512 or AVX2. HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice. cpu_w4a16_info reports it with the times.
 struct LargeChoice {
   int path = 1;
   double t[5] = {0, 0, 0, 0, 0};  // seconds per candidate path (1, 3, 4); 0 = not timed
