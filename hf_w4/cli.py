@@ -76,8 +76,8 @@ def cmd_info(a) -> int:
         for (fmt, kern), rs in groups.items():
             print(f"  {len(rs):4d} x {fmt} -> {kern}")
         if any(r["kernel"] == "cpu_w4a16" for r in rows):
-            import torch
-            print(f"cpu_w4a16 {torch.ops.hf_w4.cpu_w4a16_info()}")
+            from . import ops
+            print(f"cpu_w4a16 {ops.cpu_w4a16_info()}")
         if not a.summary:
             print()
             w = max(len(r["name"]) for r in rows)

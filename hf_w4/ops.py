@@ -82,6 +82,13 @@ def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, 
                                           float(global_scale), isa, path)
 
 
+def cpu_w4a16_info(isa=""):
+    """One line: the ISA, whether AMX is used, and the large-M bf16 path with the times it was chosen by."""
+    from . import _ext
+    _ext.load()
+    return torch.ops.hf_w4.cpu_w4a16_info(isa)
+
+
 # ---- int8 (cpu_int8)
 # W8A8 / W4A8 with dynamic int8 activations (vpdpbusd). Kernel layout (see csrc/cpu/int8_gemm.h):
 # packed uint8 [P, panel_bytes] (P = ceil(N/64) panels of 64 columns; K permuted by act-order, each group

@@ -269,6 +269,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
 // AVX-512 or AVX2. HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice. cpu_w4a16_info reports it with the times.
 struct LargeChoice {
   int path = 1;
+  int path_no_i16 = 4;  // path 3 chosen, but the group size has no int16 block: the fastest other candidate
   double t[5] = {0, 0, 0, 0, 0};  // seconds per candidate path (1, 3, 4); 0 = not timed
   bool from_env = false;
 };
@@ -318,6 +319,8 @@ LargeChoice time_large_paths(CpuIsa isa) {
   r.path = keep[0];
   for (int c : keep)
     if (r.t[c] < r.t[r.path]) r.path = c;
+  for (int c : cand)
+    if (c != 3 && r.t[c] < r.t[r.path_no_i16]) r.path_no_i16 = c;
   return r;
 }
 
@@ -392,8 +395,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   if (path < 0 && dt == at::kBFloat16 && !(amx_ok && M >= amx_min_m(g)) &&
       M > std::max(i16_max_m(isa, amx_ok, g), fused_max_m(isa, dt))) {
     const LargeChoice& c = large_choice(isa);
-    path = c.path;
-    if (path == 3 && ag == 0) path = c.t[1] > 0 && (c.t[4] == 0 || c.t[1] < c.t[4]) ? 1 : 4;
+    path = c.path == 3 && ag == 0 ? c.path_no_i16 : c.path;
   }
   if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok, g)))) {
     const int64_t nab = K / ag;

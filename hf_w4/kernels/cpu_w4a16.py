@@ -16,7 +16,7 @@ scales folded in and every 32-row block runs over them. NVFP4 folds its block sc
 into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations) a fused
 dequantize-in-registers fp32-FMA kernel for small M and dequantize + GEMM (oneDNN / MKL) for large M. bf16
 activations at large M without AMX take whichever of the int16 kernel, dequantize + bf16 GEMM and dequantize + fp32
-GEMM ran fastest on this CPU, timed once per process (``torch.ops.hf_w4.cpu_w4a16_info()`` says which and why;
+GEMM ran fastest on this CPU, timed once per process (``hf_w4.ops.cpu_w4a16_info()`` says which and why;
 ``HF_W4_LARGE_PATH`` sets it). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel ran
 2.2-2.5x the dense bf16 GEMM from M = 64 on; capped to AVX2, the fp32 GEMM won; with AMX, the bf16 GEMM. Crossovers
 measured in csrc/cpu/w4a16_torch.cpp.
