@@ -28,8 +28,9 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: up to 2 for groups of 128 or
 # more, 3 for 64, 4 for 32; AVX-512 without AMX: 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables);
 # int4 groups that are not a multiple of 32 take AMX from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp).
-# Above that without AMX, bf16 x takes whichever of paths 3, 1 and 4 ran fastest on this CPU, timed once per process
-# and ISA at the first such call (HF_W4_LARGE_PATH=int16|bf16|fp32 sets it; cpu_w4a16_info reports it). On
+# Above that without AMX, bf16 x takes whichever of paths 3, 1 and 4 is fastest on this CPU at the call's M, from
+# timings at two M once per process, ISA and weight type at the first such call and a straight line through them
+# (HF_W4_LARGE_PATH=int16|bf16|fp32 sets one path; cpu_w4a16_info reports the choice). On
 # AMX, NVFP4 folds its block scales in through fp16 products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the
 # fp32 decode; bit-identical results). On path 3, NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI
 # (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ repack uses AVX2 byte shuffles.
@@ -37,9 +38,10 @@ lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor sca
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
            "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
-# cpu_w4a16_info: the ISA, whether AMX is used, and the large-M bf16 path with the times it was chosen by (times it
-# first if no call has yet), e.g. "isa=avx512 amx=no large_m_bf16_path=int16 (timed, 128x512x512, ms: int16 0.156,
-# bf16 0.398, fp32 0.288)".
+# cpu_w4a16_info: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M (from M = 17; a group
+# size without an int16 block takes the best other path), with the times it comes from (timing first if no call has
+# yet), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=72, fp32] nvfp4=[int16 M<=37, fp32] (timed, 2048x2048
+# at M=64 / 256, ms: int4 int16 2.474 / 10.028, fp32 2.707 / 7.016; nvfp4 int16 3.888 / 15.583, fp32 2.809 / 7.583)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 
 

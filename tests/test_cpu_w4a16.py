@@ -419,26 +419,42 @@ def _same_outputs_with_env_flag(tmp_path, var, body):
 
 
 def _large_choice(isa):
-    """cpu_w4a16_info(isa) -> (chosen large-M path number, {path: ms} of the timed candidates)."""
+    """cpu_w4a16_info(isa) -> ({weight type: [(path number, largest M or None)]}, {weight type: {path: (ms at M=64,
+    ms at M=256)}} of the timed candidates)."""
     import re
     info = ops.cpu_w4a16_info(isa)
     num = {"int16": 3, "bf16": 1, "fp32": 4}
-    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16_path=(int16|bf16|fp32) \((.*)\)$", info)
+    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16 int4=\[(.*?)\] nvfp4=\[(.*?)\] \((.*)\)$", info)
     assert m, info
-    times = {num[a]: float(b) for a, b in re.findall(r"(int16|bf16|fp32) ([0-9.]+)", m.group(4))}
-    assert m.group(4).startswith(("timed", "the only candidate", "HF_W4_LARGE_PATH")), info
-    if times:
-        assert min(times, key=times.get) == num[m.group(3)], info
-    return num[m.group(3)], times
+    assert m.group(5).startswith(("timed", "the only candidate", "HF_W4_LARGE_PATH")), info
+    segs, times = {}, {}
+    for wt, seg in (("int4", m.group(3)), ("nvfp4", m.group(4))):
+        parts = [re.fullmatch(r"(int16|bf16|fp32)(?: M<=(\d+))?", p.strip()) for p in seg.split(",")]
+        assert all(parts) and all(p.group(2) for p in parts[:-1]) and not parts[-1].group(2), info
+        segs[wt] = [(num[p.group(1)], int(p.group(2)) if p.group(2) else None) for p in parts]
+        part = re.search(wt + r" ((?:(?:int16|bf16|fp32) [0-9.]+ (?:/ [0-9.]+|\(over 50x, dropped\)),? ?)+)",
+                         m.group(5))
+        times[wt] = {num[a]: float(b) for a, b in re.findall(r"(int16|bf16|fp32) ([0-9.]+)", part.group(1))} \
+            if part else {}
+    return segs, times
+
+
+def _path_at(segs, M):
+    return next(p for p, upto in segs if upto is None or M <= upto)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
     """bf16 x above the small-M kernels where AMX does not take them (here K % 32 != 0): the auto path runs the
-    candidate that cpu_w4a16_info names (int16 x raw codes, dequantize + bf16 GEMM or dequantize + fp32 GEMM, timed
-    once per process), bit for bit - and where int16 won but the group size has no int16 block (g18), the faster of
-    the other two. Int4 sym / asym and NVFP4; every forced candidate within the reference budget."""
-    chosen, times = _large_choice(isa)
+    candidate that cpu_w4a16_info names for the weight type and M (int16 x raw codes, dequantize + bf16 GEMM or
+    dequantize + fp32 GEMM, timed once per process at two M), bit for bit - and where the group size has no int16
+    block (g18), one of the other two. Int4 sym / asym and NVFP4; every forced candidate within the reference
+    budget."""
+    segs, times = _large_choice(isa)
+    for wt in ("int4", "nvfp4"):
+        bounds = [upto for _, upto in segs[wt][:-1]]
+        assert bounds == sorted(bounds) and all(b >= 17 for b in bounds), segs
+        assert not times[wt] or {p for p, _ in segs[wt]} <= set(times[wt]), (segs, times)
     cases = [("gptq", True, 48, 336), ("ct_pack", False, 48, 336), ("ct_nvfp4", True, 16, 336),
              ("ct_pack", True, 18, 360)]
     for layout, sym, gs, k in cases:
@@ -446,15 +462,16 @@ def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
         W = layouts.dequantize(qw)
         q, s, z, perm = prep(qw)
         gen = torch.Generator().manual_seed(gs)
-        for M in (40, 70):
+        for M in (40, 70, 130):
             x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
             run = lambda path: ops.cpu_w4a16_gemm(x, q, s, z, 80, qw.group_size, qw.weight_type, perm=perm,
                                                   global_scale=qw.global_scale or 1.0, isa=isa, path=path)
-            want = chosen
-            if want == 3 and gs == 18:
-                want = min((p for p in times if p != 3), key=times.get)
+            want = _path_at(segs[qw.weight_type], M)
             what = f"{spec.describe()} K={k} M={M} isa={isa}"
-            assert torch.equal(run(-1), run(want)), f"{what}: auto is not path {want}"
+            if gs == 18:
+                assert any(torch.equal(run(-1), run(p)) for p in (1, 4)), f"{what}: auto is not path 1 or 4"
+            else:
+                assert torch.equal(run(-1), run(want)), f"{what}: auto is not path {want}"
             if gs == 18 or isa == "generic":
                 assert torch.equal(run(3), run(-1)), f"{what}: path 3 without an int16 block is not auto"
             for path in (1, 4) + ((3,) if isa != "generic" and gs != 18 else ()):
@@ -479,7 +496,7 @@ def test_large_m_path_env_setting(tmp_path):
                          env=dict(os.environ, HF_W4_LARGE_PATH="fp32"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[1] == "True", out.stdout
-    assert "large_m_bf16_path=fp32 (HF_W4_LARGE_PATH)" in out.stdout, out.stdout
+    assert "large_m_bf16 int4=[fp32] nvfp4=[fp32] (HF_W4_LARGE_PATH)" in out.stdout, out.stdout
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, HF_W4_LARGE_PATH="fast"))
     assert bad.returncode != 0

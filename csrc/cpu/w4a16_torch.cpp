@@ -252,102 +252,159 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
                 int64_t path);
 
 // bf16 activations above the small-M kernels' range where AMX does not take them (CPUs without AMX, K % 32 != 0,
-// HF_W4_AMX=0): three candidates, and which is fastest depends on the CPU and on torch's GEMM library - so it is
-// timed. Path 3 = int16 activations x raw codes (the small-M kernel at any M), 1 = dequantize to bf16 + bf16
-// GEMM (at::linear), 4 = dequantize to fp32 + fp32 GEMM (x widened exactly, y rounded to bf16 once). Measured on
-// the AVX-512 Xeon VM, 2 threads, cold, 4096x4096, ms (path 3 / 1 / 4 / dense bf16 F.linear):
+// HF_W4_AMX=0): three candidates, and which is fastest depends on the CPU, on torch's GEMM library, on the weight
+// type and on M - so it is timed. Path 3 = int16 activations x raw codes (the small-M kernel at any M), 1 =
+// dequantize to bf16 + bf16 GEMM (at::linear), 4 = dequantize to fp32 + fp32 GEMM (x widened exactly, y rounded to
+// bf16 once). Measured on the AVX-512 Xeon VM, 2 threads, cold, 4096x4096, ms (path 3 / 1 / 4 / dense bf16):
 //   oneDNN capped to AVX512_CORE_BF16 (no AMX, as on AMD Zen 4/5):  M=64 4.25 / 13.2 / 11.0 / 10.8,
 //     M=256 16.6 / 41.0 / 29.0 / 38.3 (vdpbf16ps runs 1.86 G/s per core there, vfmadd231ps 7.47 G/s; dense bf16
-//     is at 92 % of that bf16 peak)
+//     is at 92 % of that bf16 peak); NVFP4 (3 / 4) M=64 5.57 / 10.9, M=1024 89.7 / 100.2
 //   oneDNN capped to AVX2 (our ISA capped too): M=32 5.0 / 3630 / 8.0 / 26.6, M=64 10.0 / 6878 / 11.4 / 53.1,
-//     M=256 40.1 / 28524 / 29.7 / 222 (the bf16 GEMM on a transposed weight view without bf16 hardware: seconds)
+//     M=256 40.1 / 28524 / 29.7 / 222 (the bf16 GEMM on a transposed weight view without bf16 hardware: seconds);
+//     paths 3 / 4, int4 M=48 7.51 / 9.35, M=96 14.9 / 13.9; NVFP4 M=24 5.81 / 7.13, M=32 7.66 / 7.88, M=48 11.4 /
+//     9.10: the int16 kernel's cost grows with M, the dequantize's does not, and NVFP4's int16 kernel (a block
+//     scale per 16 k) costs 1.4-1.5x int4's while the dequantize paths cost the same for both.
 // On AMD Zen 5 the bf16 GEMM reaches 654-692 GFLOP/s and MKL's fp32 160 (../shared/docs/perf-anchors.md), and with
-// AMX the bf16 GEMM wins by far. So at the first such call each candidate runs on a 128 x 512 x 512 int4 g128
-// problem (deterministic data; a warm-up run, a timed run, then 3 more interleaved runs and the minimum - a few
-// ms; a candidate over 4x the fastest timed run is not repeated), per ISA, and the fastest is kept for the
-// process. The bf16 GEMM is a candidate only on CPUs with bf16 arithmetic (AVX512-BF16; AMX), path 3 only with
-// AVX-512 or AVX2. HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice. cpu_w4a16_info reports it with the times.
+// AMX the bf16 GEMM wins by far. So at the first such call, per ISA and weight type (int4 g128 / NVFP4), each
+// candidate runs a kLargeK x kLargeK problem at M = kLargeM0 and kLargeM1 (deterministic data; per M a warm-up
+// run, a timed run, then 3 more interleaved runs and the minimum; a candidate over 50x the fastest is dropped),
+// which gives a straight line a + b * M per candidate, and each call takes the candidate whose line is lowest at its
+// M. (The single timing at M = 128 this replaces chose fp32 for every M on AVX2, which took up to 1.24x as long
+// as int16 below M ~ 80 for int4.) Predicted crossovers (separate processes) against the 4096x4096 measurements
+// above, by timing problem size: AVX2 int4 int16 -> fp32 at M = 44 (512^2) / 81-101 (1024^2, 5 runs) / 64-79
+// (2048^2, 5 runs), measured ~80; NVFP4 23 / 24-54 / 31-42, measured ~34 (a tie from 24 to 36); AVX-512 without
+// AMX, NVFP4: fp32 from M = 537 (512^2) / int16 at every M or up to M = 3435 (2048^2), measured int16 (M=1024 89.7
+// vs 100.2 ms). 2048^2 costs 0.15-0.3 s per process (both weight types; 1024^2 ~0.1 s).
+// The bf16 GEMM is a candidate only on CPUs with bf16 arithmetic (AVX512-BF16; AMX), path 3 only with AVX-512 or
+// AVX2, and not for a group size without an int16 block. HF_W4_LARGE_PATH=int16|bf16|fp32 sets the choice;
+// cpu_w4a16_info reports it.
+constexpr int64_t kLargeM0 = 64, kLargeM1 = 256, kLargeK = 2048;
+
 struct LargeChoice {
-  int path = 1;
-  int path_no_i16 = 4;  // path 3 chosen, but the group size has no int16 block: the fastest other candidate
-  double t[5] = {0, 0, 0, 0, 0};  // seconds per candidate path (1, 3, 4); 0 = not timed
+  int fixed = 0;                 // HF_W4_LARGE_PATH (or the only candidate): that path at every M
   bool from_env = false;
+  std::vector<int> timed, cand;  // candidates timed (paths 3, 1, 4), and those not dropped
+  double t[2][5] = {};           // seconds per path at kLargeM0, kLargeM1 (0 = not timed)
+  double a[5] = {}, b[5] = {};   // per path: predicted seconds a + b * M (a, b >= 0)
+  // path for a call with M rows (i16: the group size has an int16 block)
+  int choose(int64_t M, bool i16) const {
+    if (fixed) return fixed == 3 && !i16 ? 4 : fixed;
+    int best = 0;
+    double bt = 0;
+    for (int c : cand) {
+      if (c == 3 && !i16) continue;
+      const double v = a[c] + b[c] * static_cast<double>(M);
+      if (!best || v < bt) { best = c; bt = v; }
+    }
+    return best ? best : 4;  // (int16 only, no int16 block: the others were dropped) the fp32 GEMM
+  }
 };
 
-LargeChoice time_large_paths(CpuIsa isa) {
+LargeChoice time_large_paths(CpuIsa isa, bool nvfp4) {
   LargeChoice r;
-  const bool bf16_hw = cpu_best_isa() == CpuIsa::avx512;
-  std::vector<int> cand;
-  if (isa != CpuIsa::generic) cand.push_back(3);
-  if (bf16_hw) cand.push_back(1);
-  cand.push_back(4);
+  if (isa != CpuIsa::generic) r.cand.push_back(3);
+  if (cpu_best_isa() == CpuIsa::avx512) r.cand.push_back(1);
+  r.cand.push_back(4);
   const char* e = std::getenv("HF_W4_LARGE_PATH");
   if (e && *e) {
     const std::string v(e);
     TORCH_CHECK(v == "int16" || v == "bf16" || v == "fp32",
                 "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', got '", v, "'");
-    r.path = v == "int16" ? 3 : v == "bf16" ? 1 : 4;
-    TORCH_CHECK(std::find(cand.begin(), cand.end(), r.path) != cand.end(), "HF_W4_LARGE_PATH=", v,
-                " is not available here (", v == "int16" ? "needs AVX-512 or AVX2" : "needs AVX512-BF16", ")");
+    r.fixed = v == "int16" ? 3 : v == "bf16" ? 1 : 4;
     r.from_env = true;
+    TORCH_CHECK(std::find(r.cand.begin(), r.cand.end(), r.fixed) != r.cand.end(), "HF_W4_LARGE_PATH=", v,
+                " is not available here (", v == "int16" ? "needs AVX-512 or AVX2" : "needs AVX512-BF16", ")");
     return r;
   }
-  if (cand.size() == 1) {
-    r.path = cand[0];
+  if (r.cand.size() == 1) {
+    r.fixed = r.cand[0];
     return r;
   }
-  const int64_t M = 128, K = 512, N = 512, gs = 128, P = N / W4_NP, G = K / gs;
+  const int64_t K = kLargeK, N = kLargeK, gs = nvfp4 ? 16 : 128, P = N / W4_NP, G = K / gs;
   const auto i64 = at::TensorOptions().dtype(at::kLong), f32 = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor q = at::arange(P * (K / 2) * W4_NP, i64).mul(37).remainder(256).to(at::kByte);
-  const at::Tensor sc = at::arange(P * G * W4_NP, f32).remainder(7).add(1).mul(0.002);
-  const at::Tensor x = at::arange(M * K, f32).remainder(13).sub(6).mul(0.25).reshape({M, K}).to(at::kBFloat16);
+  // NVFP4: positive e4m3 block scales 2^-2 .. 2^-1 x 1.875 (bytes 0x28 .. 0x37); int4: fp32 group scales
+  const at::Tensor sc = nvfp4 ? at::arange(P * G * W4_NP, i64).remainder(16).add(0x28).to(at::kByte)
+                              : at::arange(P * G * W4_NP, f32).remainder(7).add(1).mul(0.002);
   const at::Tensor zs = at::empty({0}, f32);
   const std::string isa_s = isa_name(isa);
-  auto run = [&](int path) {
-    const auto t0 = std::chrono::steady_clock::now();
-    gemm(x, q, sc, zs, std::nullopt, std::nullopt, N, gs, "int4", 1.0, isa_s, path);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  for (int c : cand) run(c);  // first use: oneDNN generates its kernels, buffers are allocated
-  double best = 1e30;
-  for (int c : cand) best = std::min(best, r.t[c] = run(c));
-  std::vector<int> keep;
-  for (int c : cand)
-    if (r.t[c] <= 4 * best) keep.push_back(c);
-  for (int i = 0; i < 3; ++i)
-    for (int c : keep) r.t[c] = std::min(r.t[c], run(c));
-  r.path = keep[0];
-  for (int c : keep)
-    if (r.t[c] < r.t[r.path]) r.path = c;
-  for (int c : cand)
-    if (c != 3 && r.t[c] < r.t[r.path_no_i16]) r.path_no_i16 = c;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t M = i ? kLargeM1 : kLargeM0;
+    const at::Tensor x = at::arange(M * K, f32).remainder(13).sub(6).mul(0.25).reshape({M, K}).to(at::kBFloat16);
+    auto run = [&](int path) {
+      const auto t0 = std::chrono::steady_clock::now();
+      gemm(x, q, sc, zs, std::nullopt, std::nullopt, N, gs, nvfp4 ? "nvfp4" : "int4", 1.0, isa_s, path);
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    if (i == 0) r.timed = r.cand;
+    for (int c : r.cand) run(c);  // first use of the shape: oneDNN generates its kernels, buffers are allocated
+    double best = 1e30;
+    for (int c : r.cand) best = std::min(best, r.t[i][c] = run(c));
+    // a candidate over 50x the fastest (the bf16 GEMM without bf16 instructions in oneDNN: ~200x) is dropped
+    r.cand.erase(std::remove_if(r.cand.begin(), r.cand.end(), [&](int c) { return r.t[i][c] > 50 * best; }),
+                 r.cand.end());
+    for (int rep = 0; rep < 3; ++rep)
+      for (int c : r.cand) r.t[i][c] = std::min(r.t[i][c], run(c));
+  }
+  // the line through both timings; a slope below 0 (noise) is 0, and an intercept below 0 (a noisy first point)
+  // makes it the line through the origin and the second point
+  for (int c : r.cand) {
+    r.b[c] = std::max(0.0, (r.t[1][c] - r.t[0][c]) / (kLargeM1 - kLargeM0));
+    r.a[c] = r.t[0][c] - r.b[c] * kLargeM0;
+    if (r.a[c] < 0) { r.a[c] = 0; r.b[c] = r.t[1][c] / kLargeM1; }
+  }
   return r;
 }
 
-const LargeChoice& large_choice(CpuIsa isa) {
-  static LargeChoice c[3];
-  static std::once_flag f[3];
-  const int i = static_cast<int>(isa);
-  std::call_once(f[i], [&] { c[i] = time_large_paths(isa); });
-  return c[i];
+const LargeChoice& large_choice(CpuIsa isa, bool nvfp4) {
+  static LargeChoice c[3][2];
+  static std::once_flag f[3][2];
+  const int i = static_cast<int>(isa), j = nvfp4 ? 1 : 0;
+  std::call_once(f[i][j], [&] { c[i][j] = time_large_paths(isa, nvfp4); });
+  return c[i][j];
 }
 
+// e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=81, fp32] nvfp4=[int16 M<=24, fp32] (timed, 1024x1024 at M=64 /
+// 256, ms: int4 int16 0.643 / 2.649 fp32 0.704 / 2.028; nvfp4 ...)": per weight type the path by M from M = 17 (the
+// smallest M the choice is made for; int16 only for group sizes with an int16 block - else the best of the others),
+// then the timings it comes from
 std::string info(c10::string_view isa_req) {
   const std::string ir(isa_req);
   const CpuIsa isa = choose_isa(ir.c_str());
-  const LargeChoice& c = large_choice(isa);
   auto name = [](int p) { return p == 3 ? "int16" : p == 1 ? "bf16" : "fp32"; };
   std::string s = std::string("isa=") + isa_name(isa) + " amx=" +
-                  (amx_enabled() && w4a16_amx_available() ? "yes" : "no") + " large_m_bf16_path=" + name(c.path);
-  if (c.from_env) return s + " (HF_W4_LARGE_PATH)";
+                  (amx_enabled() && w4a16_amx_available() ? "yes" : "no") + " large_m_bf16";
   std::string t;
-  char buf[64];
-  for (int p : {3, 1, 4})
-    if (c.t[p] > 0) {
-      std::snprintf(buf, sizeof buf, "%s%s %.3f", t.empty() ? "" : ", ", name(p), c.t[p] * 1e3);
+  char buf[96];
+  bool from_env = false;
+  for (int j = 0; j < 2; ++j) {
+    const LargeChoice& c = large_choice(isa, j == 1);
+    s += j ? " nvfp4=[" : " int4=[";
+    int cur = c.choose(17, true);
+    for (int64_t M = 18; M <= (int64_t(1) << 16); ++M) {  // the switch points of the lower envelope
+      const int nxt = c.choose(M, true);
+      if (nxt == cur) continue;
+      std::snprintf(buf, sizeof buf, "%s M<=%lld, ", name(cur), static_cast<long long>(M - 1));
+      s += buf;
+      cur = nxt;
+    }
+    s += std::string(name(cur)) + "]";
+    from_env = c.from_env;
+    if (c.fixed) continue;
+    t += j ? "; nvfp4" : "int4";
+    for (size_t k = 0; k < c.timed.size(); ++k) {
+      const int p = c.timed[k];
+      if (c.t[1][p] > 0) std::snprintf(buf, sizeof buf, "%s %s %.3f / %.3f", k ? "," : "", name(p), c.t[0][p] * 1e3,
+                                       c.t[1][p] * 1e3);
+      else std::snprintf(buf, sizeof buf, "%s %s %.3f (over 50x, dropped)", k ? "," : "", name(p), c.t[0][p] * 1e3);
       t += buf;
     }
-  return s + (t.empty() ? " (the only candidate)" : " (timed, 128x512x512, ms: " + t + ")");
+  }
+  if (from_env) return s + " (HF_W4_LARGE_PATH)";
+  if (t.empty()) return s + " (the only candidate)";
+  std::snprintf(buf, sizeof buf, " (timed, %lldx%lld at M=%lld / %lld, ms: ", static_cast<long long>(kLargeK),
+                static_cast<long long>(kLargeK), static_cast<long long>(kLargeM0), static_cast<long long>(kLargeM1));
+  return s + buf + t + ")";
 }
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales, const at::Tensor& zs,
@@ -394,8 +451,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   if (path == 3 && ag == 0) path = -1;  // no int16 block for this group size: the automatic choice
   if (path < 0 && dt == at::kBFloat16 && !(amx_ok && M >= amx_min_m(g)) &&
       M > std::max(i16_max_m(isa, amx_ok, g), fused_max_m(isa, dt))) {
-    const LargeChoice& c = large_choice(isa);
-    path = c.path == 3 && ag == 0 ? c.path_no_i16 : c.path;
+    path = large_choice(isa, mode == W4_NVFP4).choose(M, ag > 0);
   }
   if (ag > 0 && (path == 3 || (path < 0 && dt == at::kBFloat16 && M <= i16_max_m(isa, amx_ok, g)))) {
     const int64_t nab = K / ag;

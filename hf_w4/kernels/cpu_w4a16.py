@@ -16,10 +16,11 @@ scales folded in and every 32-row block runs over them. NVFP4 folds its block sc
 into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations) a fused
 dequantize-in-registers fp32-FMA kernel for small M and dequantize + GEMM (oneDNN / MKL) for large M. bf16
 activations at large M without AMX take whichever of the int16 kernel, dequantize + bf16 GEMM and dequantize + fp32
-GEMM ran fastest on this CPU, timed once per process (``hf_w4.ops.cpu_w4a16_info()`` says which and why;
-``HF_W4_LARGE_PATH`` sets it). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel ran
-2.2-2.5x the dense bf16 GEMM from M = 64 on; capped to AVX2, the fp32 GEMM won; with AMX, the bf16 GEMM. Crossovers
-measured in csrc/cpu/w4a16_torch.cpp.
+GEMM is fastest on this CPU at the call's M: each is timed at two M once per process and weight type, and a straight
+line through the two timings predicts the rest (``hf_w4.ops.cpu_w4a16_info()`` shows the choice by M and the times;
+``HF_W4_LARGE_PATH`` sets one path). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel ran
+2.2-2.5x the dense bf16 GEMM from M = 64 on; capped to AVX2, the int16 kernel up to M ~ 70 (int4) / ~ 40 (NVFP4),
+then the fp32 GEMM; with AMX, the bf16 GEMM. Crossovers measured in csrc/cpu/w4a16_torch.cpp.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class CpuW4A16Kernel(Kernel):
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
                    "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 3 (int4, groups of 128 or more), 4 "
                    "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M; large M without "
-                   "AMX: int16 kernel, dequantize + bf16 GEMM or + fp32 GEMM, whichever this CPU ran fastest (timed "
-                   "once per process)")
+                   "AMX: int16 kernel, dequantize + bf16 GEMM or + fp32 GEMM, whichever this CPU ran fastest at the "
+                   "call's M (timed at two M once per process and weight type)")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
