@@ -38,10 +38,11 @@ lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor sca
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
            "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
-# cpu_w4a16_info: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M (from M = 17; a group
-# size without an int16 block takes the best other path), with the times it comes from (timing first if no call has
-# yet), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=72, fp32] nvfp4=[int16 M<=37, fp32] (timed, 2048x2048
-# at M=64 / 256, ms: int4 int16 2.474 / 10.028, fp32 2.707 / 7.016; nvfp4 int16 3.888 / 15.583, fp32 2.809 / 7.583)".
+# cpu_w4a16_info: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M (from M = 17;
+# int4_no_i16: int4 group sizes without an int16 block), with the times it comes from (timing first if no call has
+# yet), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=71, fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=35, fp32]
+# (timed, 2048x2048 at M=64 / 256, ms: int4 int16 2.518 / 9.913, fp32 2.630 / 6.995; nvfp4 int16 3.883 / 15.443,
+# fp32 2.837 / 7.269)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 
 
@@ -85,7 +86,8 @@ def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, 
 
 
 def cpu_w4a16_info(isa=""):
-    """One line: the ISA, whether AMX is used, and the large-M bf16 path with the times it was chosen by."""
+    """One line: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M with the times it
+    comes from."""
     from . import _ext
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_info(isa)

@@ -120,7 +120,8 @@ def test_info_quantized(tiny_gptq, capsys, tmp_path):
     assert len(rows) == 14                                    # 2 layers x 7 projections; lm_head stays dense
     assert "format   gptq" in text and "packed vs" in text
     if any(r["kernel"] == "cpu_w4a16" for r in rows):      # the ISA and the timed large-M choice
-        assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) large_m_bf16 int4=\[[^]]+\] nvfp4=\[[^]]+\] \(", text), text
+        assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) large_m_bf16 int4=\[[^]]+\] int4_no_i16=\[[^]]+\] "
+                         r"nvfp4=\[[^]]+\] \(", text), text
     for r in rows:
         assert r["kernel"] in text and r["name"] in text
         for k, why in r["rejected"].items():

@@ -419,21 +419,22 @@ def _same_outputs_with_env_flag(tmp_path, var, body):
 
 
 def _large_choice(isa):
-    """cpu_w4a16_info(isa) -> ({weight type: [(path number, largest M or None)]}, {weight type: {path: (ms at M=64,
-    ms at M=256)}} of the timed candidates)."""
+    """cpu_w4a16_info(isa) -> ({weight type: [(path number, largest M or None)]}, {weight type: {path: ms at M=64}}
+    of the timed candidates); weight type "int4_no_i16": int4 group sizes without an int16 block."""
     import re
     info = ops.cpu_w4a16_info(isa)
     num = {"int16": 3, "bf16": 1, "fp32": 4}
-    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16 int4=\[(.*?)\] nvfp4=\[(.*?)\] \((.*)\)$", info)
+    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16 int4=\[(.*?)\] int4_no_i16=\[(.*?)\] nvfp4=\[(.*?)\] "
+                  r"\((.*)\)$", info)
     assert m, info
-    assert m.group(5).startswith(("timed", "the only candidate", "HF_W4_LARGE_PATH")), info
+    assert m.group(6).startswith(("timed", "the only candidate", "HF_W4_LARGE_PATH")), info
     segs, times = {}, {}
-    for wt, seg in (("int4", m.group(3)), ("nvfp4", m.group(4))):
+    for wt, seg in (("int4", m.group(3)), ("int4_no_i16", m.group(4)), ("nvfp4", m.group(5))):
         parts = [re.fullmatch(r"(int16|bf16|fp32)(?: M<=(\d+))?", p.strip()) for p in seg.split(",")]
         assert all(parts) and all(p.group(2) for p in parts[:-1]) and not parts[-1].group(2), info
         segs[wt] = [(num[p.group(1)], int(p.group(2)) if p.group(2) else None) for p in parts]
-        part = re.search(wt + r" ((?:(?:int16|bf16|fp32) [0-9.]+ (?:/ [0-9.]+|\(over 50x, dropped\)),? ?)+)",
-                         m.group(5))
+        part = re.search(wt.split("_")[0] + r" ((?:(?:int16|bf16|fp32) [0-9.]+ (?:/ [0-9.]+|\(over 50x, dropped\)),"
+                         r"? ?)+)", m.group(6))
         times[wt] = {num[a]: float(b) for a, b in re.findall(r"(int16|bf16|fp32) ([0-9.]+)", part.group(1))} \
             if part else {}
     return segs, times
@@ -448,10 +449,11 @@ def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
     """bf16 x above the small-M kernels where AMX does not take them (here K % 32 != 0): the auto path runs the
     candidate that cpu_w4a16_info names for the weight type and M (int16 x raw codes, dequantize + bf16 GEMM or
     dequantize + fp32 GEMM, timed once per process at two M), bit for bit - and where the group size has no int16
-    block (g18), one of the other two. Int4 sym / asym and NVFP4; every forced candidate within the reference
-    budget."""
+    block (g18), the one it names for that case. Int4 sym / asym and NVFP4; every forced candidate within the
+    reference budget."""
     segs, times = _large_choice(isa)
-    for wt in ("int4", "nvfp4"):
+    assert 3 not in {p for p, _ in segs["int4_no_i16"]}, segs
+    for wt in ("int4", "int4_no_i16", "nvfp4"):
         bounds = [upto for _, upto in segs[wt][:-1]]
         assert bounds == sorted(bounds) and all(b >= 17 for b in bounds), segs
         assert not times[wt] or {p for p, _ in segs[wt]} <= set(times[wt]), (segs, times)
@@ -466,12 +468,9 @@ def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
             x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
             run = lambda path: ops.cpu_w4a16_gemm(x, q, s, z, 80, qw.group_size, qw.weight_type, perm=perm,
                                                   global_scale=qw.global_scale or 1.0, isa=isa, path=path)
-            want = _path_at(segs[qw.weight_type], M)
+            want = _path_at(segs["int4_no_i16" if gs == 18 else qw.weight_type], M)
             what = f"{spec.describe()} K={k} M={M} isa={isa}"
-            if gs == 18:
-                assert any(torch.equal(run(-1), run(p)) for p in (1, 4)), f"{what}: auto is not path 1 or 4"
-            else:
-                assert torch.equal(run(-1), run(want)), f"{what}: auto is not path {want}"
+            assert torch.equal(run(-1), run(want)), f"{what}: auto is not path {want}"
             if gs == 18 or isa == "generic":
                 assert torch.equal(run(3), run(-1)), f"{what}: path 3 without an int16 block is not auto"
             for path in (1, 4) + ((3,) if isa != "generic" and gs != 18 else ()):
@@ -496,7 +495,7 @@ def test_large_m_path_env_setting(tmp_path):
                          env=dict(os.environ, HF_W4_LARGE_PATH="fp32"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[1] == "True", out.stdout
-    assert "large_m_bf16 int4=[fp32] nvfp4=[fp32] (HF_W4_LARGE_PATH)" in out.stdout, out.stdout
+    assert "large_m_bf16 int4=[fp32] int4_no_i16=[fp32] nvfp4=[fp32] (HF_W4_LARGE_PATH)" in out.stdout, out.stdout
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, HF_W4_LARGE_PATH="fast"))
     assert bad.returncode != 0

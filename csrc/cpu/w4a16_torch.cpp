@@ -364,31 +364,36 @@ const LargeChoice& large_choice(CpuIsa isa, bool nvfp4) {
   return c[i][j];
 }
 
-// e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=81, fp32] nvfp4=[int16 M<=24, fp32] (timed, 1024x1024 at M=64 /
-// 256, ms: int4 int16 0.643 / 2.649 fp32 0.704 / 2.028; nvfp4 ...)": per weight type the path by M from M = 17 (the
-// smallest M the choice is made for; int16 only for group sizes with an int16 block - else the best of the others),
-// then the timings it comes from
+// e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=71, fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=35, fp32] (timed,
+// 2048x2048 at M=64 / 256, ms: int4 int16 2.518 / 9.913, fp32 2.630 / 6.995; nvfp4 int16 3.883 / 15.443, fp32
+// 2.837 / 7.269)": per weight type the path by M from M = 17 (the smallest M the choice is made for), for int4 also
+// for group sizes without an int16 block (NVFP4 always has one), then the timings it comes from
 std::string info(c10::string_view isa_req) {
   const std::string ir(isa_req);
   const CpuIsa isa = choose_isa(ir.c_str());
   auto name = [](int p) { return p == 3 ? "int16" : p == 1 ? "bf16" : "fp32"; };
+  char buf[96];
+  // "[path M<=m, path M<=m, ..., path]": the switch points of the lower envelope
+  auto by_m = [&](const LargeChoice& c, bool i16) {
+    std::string r = "[";
+    int cur = c.choose(17, i16);
+    for (int64_t M = 18; M <= (int64_t(1) << 16); ++M) {
+      const int nxt = c.choose(M, i16);
+      if (nxt == cur) continue;
+      std::snprintf(buf, sizeof buf, "%s M<=%lld, ", name(cur), static_cast<long long>(M - 1));
+      r += buf;
+      cur = nxt;
+    }
+    return r + name(cur) + "]";
+  };
   std::string s = std::string("isa=") + isa_name(isa) + " amx=" +
                   (amx_enabled() && w4a16_amx_available() ? "yes" : "no") + " large_m_bf16";
   std::string t;
-  char buf[96];
   bool from_env = false;
   for (int j = 0; j < 2; ++j) {
     const LargeChoice& c = large_choice(isa, j == 1);
-    s += j ? " nvfp4=[" : " int4=[";
-    int cur = c.choose(17, true);
-    for (int64_t M = 18; M <= (int64_t(1) << 16); ++M) {  // the switch points of the lower envelope
-      const int nxt = c.choose(M, true);
-      if (nxt == cur) continue;
-      std::snprintf(buf, sizeof buf, "%s M<=%lld, ", name(cur), static_cast<long long>(M - 1));
-      s += buf;
-      cur = nxt;
-    }
-    s += std::string(name(cur)) + "]";
+    s += (j ? " nvfp4=" : " int4=") + by_m(c, true);
+    if (j == 0) s += " int4_no_i16=" + by_m(c, false);
     from_env = c.from_env;
     if (c.fixed) continue;
     t += j ? "; nvfp4" : "int4";
