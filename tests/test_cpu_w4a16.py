@@ -331,7 +331,7 @@ def test_int16_path_exact_on_grid_and_nonfinite(layout, sym, isa):
     W = layouts.dequantize(qw)
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(22)
-    for M in (1, 3, 4, 6):
+    for M in (1, 3, 4, 6, 9):  # 9: int4 in a block of 8 rows + 1, NVFP4 6 + 3
         x = torch.randint(-256, 257, (M, k), generator=gen).float() / 128
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm,
                                global_scale=qw.global_scale or 1.0, isa=isa, path=3)
@@ -374,7 +374,7 @@ def test_int16_path_activation_blocks(isa, k, gs):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    for M in (1, 2, 5):
+    for M in (1, 2, 5, 12):  # 12: a block of 8 rows + one of 4 on AVX-512
         x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, "int4", bias=bias, isa=isa, path=3)
         check(y, x, W, bias, False, f"{isa} K={k} g={gs} M={M}", i16_group=_group(qw, k))
@@ -391,7 +391,7 @@ def test_int16_path_nvfp4_shapes(isa, k):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    for M in (1, 2, 3, 4, 7):
+    for M in (1, 2, 3, 4, 7, 13):  # AVX-512: 7 = a block of 6 rows + 1, 13 = 6 + 6 + 1
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
