@@ -275,7 +275,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
 // 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16 1.532 /
 // 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged. (NVFP4 in
 // blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers; int4 in
-// blocks of 6: M=16 0.990 against 0.920.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
+// blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10 / 12: M=24 1.342 / 1.562 against 1.342 - register
+// spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
 template <int MODE, class Decode>
 __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
                                                           const int32_t* xd, int64_t M, int64_t ag, int64_t p0,
