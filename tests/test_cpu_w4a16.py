@@ -391,7 +391,7 @@ def test_int16_path_nvfp4_shapes(isa, k):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    for M in (1, 2, 3, 4, 7, 13):  # AVX-512: 7 = a block of 6 rows + 1, 13 = 6 + 6 + 1
+    for M in (1, 2, 3, 4, 7, 8, 13):  # AVX-512: 7 = a block of 6 rows + 1, 8 = one block of 8, 13 = 6 + 6 + 1
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)

@@ -182,11 +182,11 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
                                                           int64_t ldx, const float* xs, const int32_t* xd, int64_t ag,
                                                           int64_t p, const Decode& decode, float* res) {
   const int64_t nab = g.K / ag, bpg = g.gs / ag, pairs = ag / 2;
-  // MR = 8: the fp32 sums live in res (L1) instead of registers, which the int32 sums of 8 rows fill
+  // MR = 8 (int4): the fp32 sums live in res (L1) instead of registers, which the int32 sums of 8 rows fill
   constexpr bool kMem = MR > 6;
   __m512 o[kMem ? 1 : MR][2];
   for (int m = 0; m < (kMem ? 1 : MR); ++m) o[m][0] = o[m][1] = _mm512_setzero_ps();
-  if (kMem)
+  if constexpr (kMem)
     for (int m = 0; m < MR; ++m) {
       _mm512_storeu_ps(res + m * W4_NP, _mm512_setzero_ps());
       _mm512_storeu_ps(res + m * W4_NP + 16, _mm512_setzero_ps());
@@ -242,8 +242,14 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
       }
       const __m512 xsv = _mm512_set1_ps(xs[i]);
       float* r = res + m * W4_NP;
-      __m512 o0 = kMem ? _mm512_loadu_ps(r) : o[kMem ? 0 : m][0];
-      __m512 o1 = kMem ? _mm512_loadu_ps(r + 16) : o[kMem ? 0 : m][1];
+      __m512 o0, o1;
+      if constexpr (kMem) {
+        o0 = _mm512_loadu_ps(r);
+        o1 = _mm512_loadu_ps(r + 16);
+      } else {
+        o0 = o[m][0];
+        o1 = o[m][1];
+      }
       o0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[0]), _mm512_mul_ps(s0, xsv), o0);
       o1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(am[1]), _mm512_mul_ps(s1, xsv), o1);
       if (MODE == W4_ASYM) {  // - zero*scale * sum(x)
@@ -251,30 +257,31 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
         o0 = _mm512_fnmadd_ps(z0, xsum, o0);
         o1 = _mm512_fnmadd_ps(z1, xsum, o1);
       }
-      if (kMem) {
+      if constexpr (kMem) {
         _mm512_storeu_ps(r, o0);
         _mm512_storeu_ps(r + 16, o1);
       } else {
-        o[kMem ? 0 : m][0] = o0;
-        o[kMem ? 0 : m][1] = o1;
+        o[m][0] = o0;
+        o[m][1] = o1;
       }
     }
   }
-  if (!kMem)
+  if constexpr (!kMem)
     for (int m = 0; m < MR; ++m) {
-      _mm512_storeu_ps(res + m * W4_NP, o[kMem ? 0 : m][0]);
-      _mm512_storeu_ps(res + m * W4_NP + 16, o[kMem ? 0 : m][1]);
+      _mm512_storeu_ps(res + m * W4_NP, o[m][0]);
+      _mm512_storeu_ps(res + m * W4_NP + 16, o[m][1]);
     }
 }
 
-// Rows go in blocks of 8 (int4) or 6 (NVFP4), the rest in blocks of 4 and one of 1-3: each block decodes the panel's
-// codes once, so larger blocks spread the decode over more rows. int4's 8 rows keep their fp32 sums in res (the
-// int32 sums fill the registers; its flush is one per group); NVFP4 flushes every 16 k, so its 6 rows keep them in
-// registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU without AMX
+// Rows go in blocks of 8 (int4) or 6 (NVFP4; 8 when exactly 8 are left), the rest in blocks of 4 and one of 1-3:
+// each block decodes the panel's codes once, so larger blocks spread the decode over more rows. 8 rows keep their
+// fp32 sums in res (the int32 sums fill the registers; int4 flushes once per group); NVFP4 flushes every 16 k, so
+// its 6-row blocks keep them in registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU without AMX
 // takes at every M), 2 threads, cold, medians of 5 interleaved rounds, ms, blocks of 4 / these: 4096x4096 int4 M=8
 // 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16 1.532 /
 // 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged. (NVFP4 in
-// blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers; int4 in
+// blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers, but M=8 0.659
+// against 0.747 as 6 + 2 and 0.775 as 4 + 4; int4 in
 // blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10 / 12: M=24 1.342 / 1.562 against 1.342 - register
 // spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
 template <int MODE, class Decode>
@@ -283,11 +290,12 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
                                                           int64_t p1, const Decode& decode) {
   const int64_t K = g.K, nab = K / ag;
   alignas(64) float res[8 * W4_NP];
-  constexpr int64_t kRows = MODE == W4_NVFP4 ? 6 : 8;
+  constexpr bool nv = MODE == W4_NVFP4;
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
     for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
-      mr = M - r0 >= kRows ? kRows : M - r0 < 4 ? M - r0 : 4;
+      const int64_t left = M - r0;
+      mr = left >= 8 && (!nv || left == 8) ? 8 : nv && left >= 6 ? 6 : left < 4 ? left : 4;
       const int16_t* x0 = xq + r0 * K;
       const float* s0 = xs + r0 * nab;
       const int32_t* d0 = xd + r0 * nab;
