@@ -480,7 +480,8 @@ def test_large_m_bf16_auto_path_is_the_timed_choice(isa):
 
 def test_large_m_path_env_setting(tmp_path):
     """HF_W4_LARGE_PATH=fp32 sets the choice (reported as such, auto == path 4 bit for bit); a value that is not
-    int16 / bf16 / fp32 is an error that names the variable, the value and the choices."""
+    int16 / bf16 / fp32 is an error that names the variable, the value and the choices; a path the ISA lacks is an
+    error that says what it needs."""
     import os
     import subprocess
     import sys
@@ -500,6 +501,11 @@ def test_large_m_path_env_setting(tmp_path):
                          env=dict(os.environ, HF_W4_LARGE_PATH="fast"))
     assert bad.returncode != 0
     assert "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', got 'fast'" in bad.stderr, bad.stderr
+    # a path this ISA does not have (the portable C++ path has no int16 kernel)
+    na = subprocess.run([sys.executable, "-c", "from hf_w4 import ops\nops.cpu_w4a16_info('generic')"],
+                        capture_output=True, text=True, env=dict(os.environ, HF_W4_LARGE_PATH="int16"))
+    assert na.returncode != 0
+    assert "HF_W4_LARGE_PATH=int16 is not available here (needs AVX-512 or AVX2)" in na.stderr, na.stderr
 
 
 def test_gemm_rejects_unknown_path():
