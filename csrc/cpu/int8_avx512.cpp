@@ -381,6 +381,12 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 // stores now have the TDPs' run to drain before the next step's loads. 2 threads, cold, 7 interleaved rounds, ms,
 // before / after: W4A8 g128 4096x4096 M=64 1.067 / 1.043, M=1024 11.97 / 11.72 (another run 12.03 / 11.72),
 // 2048x2048 M=1024 3.38 / 3.30; W8A8 level (4096x4096 M=1024 8.57 / 8.65, 8.86 / 8.74).
+// Tried and dropped (W4A8 g128 4096x4096, 2 threads, cold, 5 interleaved rounds, ms, this kernel first): one epilogue
+// per 2 or 4 finished groups of a pair (an fp32 accumulator pass per batch instead of per group, cb 2 x 4 x 8 KiB)
+// M=1024 10.86 / 12.0, M=256 2.89 / 3.19; the next slice converted in one burst at the slice's first step instead of
+// spread over its steps, M=1024 10.04 / 12.11; row chunks of 512 / 1024 rows, M=1024 10.05 / 9.90 / 10.56; K slices
+// of 256 / 1024 (W8A8 too), M=1024 10.56 / 12.58 / 10.67. Upper bounds (wrong results): without the epilogue M=1024
+// 10.0 -> 8.6, without the next-slice conversion 10.0 -> 8.65 (W8A8 7.96 -> 5.96).
 // Used only when the CPU and the OS allow it (see amx_usable).
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
