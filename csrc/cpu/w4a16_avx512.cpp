@@ -273,17 +273,16 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     }
 }
 
-// Rows go in blocks of 8 (int4) or 6 (NVFP4; 8 when exactly 8 are left), the rest in blocks of 4 and one of 1-3:
-// each block decodes the panel's codes once, so larger blocks spread the decode over more rows. 8 rows keep their
-// fp32 sums in res (the int32 sums fill the registers; int4 flushes once per group); NVFP4 flushes every 16 k, so
-// its 6-row blocks keep them in registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU without AMX
-// takes at every M), 2 threads, cold, medians of 5 interleaved rounds, ms, blocks of 4 / these: 4096x4096 int4 M=8
-// 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16 1.532 /
-// 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged. (NVFP4 in
-// blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers, but M=8 0.659
-// against 0.747 as 6 + 2 and 0.775 as 4 + 4; int4 in
-// blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10 / 12: M=24 1.342 / 1.562 against 1.342 - register
-// spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
+// Rows go in blocks of 8 (int4) or 6 (NVFP4; 8 when exactly 8 are left), the rest in blocks of 4 and one of 1-3: each
+// block decodes the panel's codes once, so larger blocks spread the decode over more rows. 8 rows keep their fp32 sums
+// in res (the int32 sums fill the registers; int4 flushes once per group); NVFP4 flushes every 16 k, so its 6-row
+// blocks keep them in registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU
+// without AMX takes at every M), 2 threads, cold, medians of 5 interleaved rounds, ms, blocks of 4 / these: 4096x4096
+// int4 M=8 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16
+// 1.532 / 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged.
+// (NVFP4 in blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers, but M=8
+// 0.659 against 0.747 as 6 + 2 and 0.775 as 4 + 4; int4 in blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10
+// / 12: M=24 1.342 / 1.562 against 1.342 - register spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
 template <int MODE, class Decode>
 __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
                                                           const int32_t* xd, int64_t M, int64_t ag, int64_t p0,
