@@ -9,6 +9,9 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
 * int16-activation path (path 3; auto for bf16 x at small M on AVX-512): x is rounded per block of the group
   to multiples of a power of two 2^e <= the block's max|x| / 2^14, so |dx| <= 2^-15 * max|x| of its group:
   + 2^-15 * B with B = (per-group max|x|) @ |W|^T
+  NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M > 8, scales folded into the weights) of L = 128 / 64 / 32 k
+  with 2^e also large enough that the block's sum of |x| / 2^e stays under ~745000 (int32 headroom), so
+  |dx| <= max(2^-15 * max|x|, sum|x| / 745000) of its L-block; the budget takes the larger of the two schemes.
 """
 from __future__ import annotations
 
@@ -98,8 +101,18 @@ def check(y, x, W, bias, path_large, what, i16_group=None):
         bud = 2.0 ** -8 * ref.abs() + 2e-6 * A + (2.0 ** -8 * A if path_large else 0)
     if i16_group:  # the int16-activation path may have run
         m, k = xf.shape
-        gmax = xf.abs().reshape(m, k // i16_group, i16_group).amax(-1).repeat_interleave(i16_group, 1)
-        bud = bud + 2.0 ** -15 * F.linear(gmax, W.abs())
+
+        def blocks(g, f):
+            return f(xf.abs().reshape(m, k // g, g)).repeat_interleave(g, 1)
+
+        if i16_group == "nvfp4":
+            L = next(g for g in (128, 64, 32, 16) if k % g == 0)
+            dx = torch.maximum(2.0 ** -15 * blocks(16, lambda a: a.amax(-1)),
+                               torch.maximum(2.0 ** -15 * blocks(L, lambda a: a.amax(-1)),
+                                             blocks(L, lambda a: a.sum(-1)) / 745000))
+        else:
+            dx = 2.0 ** -15 * blocks(i16_group, lambda a: a.amax(-1))
+        bud = bud + F.linear(dx, W.abs())
     bad = (yf - ref).abs() > bud + 1e-30
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} elements over budget; max excess "
                                  f"{float(((yf - ref).abs() - bud).max()):.3g}")
@@ -122,11 +135,8 @@ def _cases():
     return cases
 
 
-NVFP4_ACT_BLOCK = 16   # the int16 path's activation block for NVFP4: one 16-k weight block
-
-
 def _group(qw, k):
-    return NVFP4_ACT_BLOCK if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
+    return "nvfp4" if qw.weight_type == "nvfp4" else (k if qw.group_size in (-1, 0, None) else qw.group_size)
 
 
 @pytest.mark.parametrize("layout,sym,ao,zp1,n,k,gs,seed", _cases())
@@ -395,7 +405,7 @@ def test_int16_path_nvfp4_shapes(isa, k):
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
-        check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group=NVFP4_ACT_BLOCK)
+        check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group="nvfp4")
 
 
 def _same_outputs_with_env_flag(tmp_path, var, body):
@@ -569,13 +579,13 @@ def test_nvfp4_denormal_scales_and_activation_range(flush_denormal):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                            path=path)
                     check(y, x, W, None, path in (-1, 2) and M > 4, what,
-                          i16_group=NVFP4_ACT_BLOCK if path in (-1, 3) else None)
+                          i16_group="nvfp4" if path in (-1, 3) else None)
                     yi = ops.cpu_w4a16_gemm(xinf, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa,
                                             path=path)
                     ref = F.linear(xinf.float(), W)
                     assert torch.equal(torch.isfinite(yi.float()), torch.isfinite(ref)), what + " (inf in x)"
                     check(yi[:M - 1], xinf[:M - 1], W, None, path in (-1, 2) and M > 4, what + " (inf in x)",
-                          i16_group=NVFP4_ACT_BLOCK if path in (-1, 3) else None)
+                          i16_group="nvfp4" if path in (-1, 3) else None)
     finally:
         torch.set_flush_denormal(False)
 
@@ -593,3 +603,49 @@ def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
         "out += [ops.cpu_w4a16_gemm(torch.randn(M, 512, generator=gen).to(torch.bfloat16), q, s, z, 200, 16, 'nvfp4',"
         " global_scale=qw.global_scale, path=2) for M in (1, 4, 9, 16, 17, 32, 33, 70)]\n")
     assert _same_outputs_with_env_flag(tmp_path, "HF_W4_AMX_FP16", body) == 8
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+@pytest.mark.parametrize("k", [384, 320, 224])
+def test_int16_path_nvfp4_folded_blocks(isa, k):
+    """NVFP4 on the int16 path above 8 rows (AVX-512 VBMI: block scales folded into the int16 weights, one flush per
+    activation block of 128 / 64 / 32 k for K = 384 / 320 / 224): scales within a factor 8 of each other (one flush
+    per activation block), then spread over 2^-9 .. 448 so that most blocks take one flush per 16 k; rows of very
+    different magnitude, outlier channels, with bias."""
+    n = 96
+    spec = W4Spec(method="test", layout="modelopt_nvfp4", weight_type="nvfp4", bits=4, group_size=16, sym=True)
+    gen = torch.Generator().manual_seed(k)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for scales in (torch.rand(n, k // 16, generator=gen) * 7 + 1,
+                   2.0 ** (torch.rand(n, k // 16, generator=gen) * 17 - 9)):
+        qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
+        W = layouts.dequantize(qw)
+        q, s, z, perm = prep(qw)
+        for M in (9, 16, 33):
+            x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
+            x[:, ::37] *= 100
+            x = x.to(torch.bfloat16)
+            y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa,
+                                   path=3)
+            check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group="nvfp4")
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+def test_int16_path_nvfp4_int32_headroom(isa):
+    """The largest folded NVFP4 weights (code 6.0 = 12 doubled, times mantissa 15 << 4 where a 128-k block's scales
+    span exactly 2^4: 2880) against activations of one size: the quantizer's bound on the sum of |x| keeps each int32
+    lane below 2^31, and the result is exact up to the bf16 output."""
+    n, k = 32, 512
+    spec = W4Spec(method="test", layout="ct_nvfp4", weight_type="nvfp4", bits=4, group_size=16, sym=True)
+    codes = torch.full((n, k), 7)  # +6.0
+    scales = torch.full((n, k // 16), 1.875)  # e4m3 mantissa 7: mt = 15
+    scales[:, 1::8] = 1.875 / 16  # one block per 128 k four binades lower: the others fold with shift 4
+    qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=1.0), n, k)
+    W = layouts.dequantize(qw).double()
+    q, s, z, _ = prep(qw)
+    for sign in (1.0, -1.0):
+        x = torch.full((12, k), sign * 1.9921875, dtype=torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=3)
+        expect = x.double() @ W.T
+        assert torch.allclose(y.double(), expect, rtol=2 ** -8), (sign, y[0, :4], expect[0, :4])

@@ -76,15 +76,21 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 // int16 values; returns false if x holds inf / nan). ag divides the group size (NVFP4: 16) and is at most 4096, so
 // the int32 sums cannot overflow. Exact for every element within 2^7 (bf16) / 2^4 (fp16) of its block's max;
 // smaller ones are off by at most 2^-16 of that max.
-bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
-                            int32_t* xd);
+// With l1max > 0 the scale is also large enough that each block's sum of |xq| stays at most l1max (the NVFP4
+// kernel, whose folded weights reach 12 * 15 * 2^kNvFoldD, passes kNvFoldL1).
+bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                            float* xs, int32_t* xd);
+constexpr int kNvFoldD = 4;
+constexpr int64_t kNvFoldL1 = 2147483647 / (12 * 15 << kNvFoldD);
 // NVFP4 decodes its codes with vpermb where the CPU has AVX512-VBMI (HF_W4_VBMI=0 in the environment: with vpermw,
-// as without VBMI); the results are bit-identical.
+// as without VBMI); the results are bit-identical. With activation blocks ag > 16 (w4a16_i16_nvfp4_folded(M) says
+// when; x quantized with l1max = kNvFoldL1) NVFP4 runs with its block scales folded into the int16 weights.
+bool w4a16_i16_nvfp4_folded(int64_t M);
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);
 // the same in portable C++ (any ISA) and the AVX2 kernel (vpmaddwd + vpaddd)
-bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
-                             int32_t* xd);
+bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                             float* xs, int32_t* xd);
 void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1);
 

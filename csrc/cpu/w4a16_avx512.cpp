@@ -311,6 +311,52 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
   }
 }
 
+// MR int16 activation rows x nf * pf k-pairs of decoded int16 weights w (4 vectors per 2 k-pairs: pair j's columns
+// 0..15 and 16..31, then pair j + 1's), flushed into the fp32 sums o [MR][32] every pf k-pairs with the column
+// scales cs + 32 f and the activation scale xs[m * nab]. MR <= 2 splits even and odd k-pairs into two accumulator
+// chains (latency bound otherwise).
+template <int MR>
+__attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf, int nf, const int16_t* x,
+                                                    int64_t ldx, const float* cs, const float* xs, int64_t nab,
+                                                    float* o) {
+  constexpr int U = MR <= 2 ? 2 : 1;
+  for (int fi = 0; fi < nf; ++fi) {
+    __m512i a0[MR], a1[MR], b0[MR], b1[MR];  // columns 0..15 / 16..31; b: the odd k-pairs when U = 2
+    for (int m = 0; m < MR; ++m) a0[m] = a1[m] = b0[m] = b1[m] = _mm512_setzero_si512();
+    const int16_t* wf = w + fi * pf * 2 * W4_NP;
+    const int16_t* xf = x + 2 * fi * pf;
+    for (int64_t j = 0; j < pf; j += 2) {
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const __m512i l = _mm512_load_si512(wf + 64 * (j + u)), h = _mm512_load_si512(wf + 64 * (j + u) + 32);
+        for (int m = 0; m < MR; ++m) {
+          int32_t xp;
+          std::memcpy(&xp, xf + m * ldx + 2 * (j + u), 4);
+          const __m512i xv = _mm512_set1_epi32(xp);
+          if (U == 2 && u == 1) {
+            b0[m] = _mm512_dpwssd_epi32(b0[m], l, xv);
+            b1[m] = _mm512_dpwssd_epi32(b1[m], h, xv);
+          } else {
+            a0[m] = _mm512_dpwssd_epi32(a0[m], l, xv);
+            a1[m] = _mm512_dpwssd_epi32(a1[m], h, xv);
+          }
+        }
+      }
+    }
+    const __m512 c0 = _mm512_load_ps(cs + W4_NP * fi), c1 = _mm512_load_ps(cs + W4_NP * fi + 16);
+    for (int m = 0; m < MR; ++m) {
+      if (U == 2) {
+        a0[m] = _mm512_add_epi32(a0[m], b0[m]);
+        a1[m] = _mm512_add_epi32(a1[m], b1[m]);
+      }
+      const __m512 xsv = _mm512_set1_ps(xs[m * nab]);
+      float* r = o + m * W4_NP;
+      _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[m]), _mm512_mul_ps(c0, xsv), _mm512_load_ps(r)));
+      _mm512_store_ps(r + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[m]), _mm512_mul_ps(c1, xsv), _mm512_load_ps(r + 16)));
+    }
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512vbmi")
 // NVFP4 with AVX512-VBMI: the e2m1 LUT applied to the bytes (vpermb, one uop for 64 codes; index bits 5:0 and the
@@ -345,6 +391,160 @@ struct ByteLutDecode {
 void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1) {
   fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, ByteLutDecode());
+}
+// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M > 8 with
+// VBMI): one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3
+// scale is
+// mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1) and the doubled e2m1
+// value 2w an integer up to 12, so with eref = (largest ee of the column over the nb blocks) - kNvFoldD each
+// weight is exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880),
+// one vpmullw per 32 decoded codes, and one column scale 2^(eref - 11) per activation block. A block whose ee lies
+// more than kNvFoldD below the largest would lose bits: when any of the 32 columns has such a pair of nonzero
+// blocks, that activation block of the panel flushes once per 16-k block instead (multiplier mt, scale
+// 2^(ee - 11)), which is the same arithmetic as without folding. Exact in both cases; the int32 sums stay below
+// 2^31 because the activation quantizer bounds each block's sum of |xq| by kNvFoldL1 (w4a16.h).
+// Each activation block's codes are decoded once into an L1 buffer that all row blocks then read, so the decode,
+// the vpmullw and the fold are shared by the M rows. Measured on the AMX Xeon VM with AMX off (the path of a CPU
+// without AMX), 2 threads, cold, medians of 5-7 interleaved rounds, ms, per-16-k kernel / this one / int4 g128:
+// 4096x4096 M=16 1.418 / 1.096 / 0.936, M=32 2.753 / 1.852-2.007 / 1.724-1.769; 11008x4096 M=16 2.871 / 2.442
+// (int4), M=32 4.846 / 4.744 (int4); M = 5 0.639 / 0.648, M = 6 0.561 / 0.717, M = 8 0.724 / 0.732 - the
+// per-16-k kernel keeps M <= 8 (6-row blocks, no buffer). (Tried: L = 64 instead of 128, M=16 1.27x int4 instead of
+// 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of
+// the buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.)
+// What is left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6) and accumulator
+// copies GCC adds in rows_i16's loop.
+struct NvFold {
+  alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
+  alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
+  bool one;                            // one flush per activation block
+};
+
+// Folds the block scales of one panel and activation block (nb <= 8 blocks of 32 bytes from sp) in bytes, with
+// vpermi2b tables over the 7-bit scale byte v (sign clear):
+//   tee: v -> ee (0 for v = 0, so a zero block leaves the maximum alone); tmin: the same with v = 0 -> 63;
+//   tden: v -> (v & 7) | (v < 8) << 6; tmul: (v & 7) | sh << 3 | (v < 8) << 6 -> mt << sh (mt = 8 + (v & 7), or
+//   v & 7 for denormals and 0 for v = 0; sh <= kNvFoldD, so at most 240).
+struct NvFolder {
+  alignas(64) uint8_t tb[4][128];  // tee, tmin, tden, tmul
+  alignas(64) uint8_t dup[4][64];
+  NvFolder() {
+    for (int v = 0; v < 128; ++v) {
+      const int ee = std::max(v >> 3, 1), m = v & 7, sh = (v >> 3) & 7;
+      tb[0][v] = static_cast<uint8_t>(v == 0 ? 0 : ee);
+      tb[1][v] = static_cast<uint8_t>(v == 0 ? 63 : ee);
+      tb[2][v] = static_cast<uint8_t>(m | (v < 8 ? 64 : 0));
+      tb[3][v] = static_cast<uint8_t>(sh <= kNvFoldD ? ((v & 64) ? m : 8 + m) << sh : 0);  // index (m, sh, denormal)
+    }
+    // dup[2 * (b % 2) + h]: word i <- byte 32 (b % 2) + 16 h + i / 2 (the odd bytes are zeroed by the mask)
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 64; ++i) dup[k][i] = static_cast<uint8_t>(32 * (k / 2) + 16 * (k % 2) + i / 4);
+  }
+  // The tables are loaded at each use on purpose: hoisted out of the loops, their 12 registers pushed the
+  // accumulators of rows_i16 onto the stack.
+  static __m512i lut(const uint8_t* t, __m512i v) {
+    return _mm512_permutex2var_epi8(_mm512_load_si512(t), v, _mm512_load_si512(t + 64));
+  }
+  inline void operator()(const uint8_t* sp, int nb, NvFold& f) const {
+    const uint8_t* t = tb[0];
+    asm("" : "+r"(t));  // not loop-invariant to the compiler (see lut)
+    const __mmask64 even = 0x5555555555555555ull;
+    const int nv = (nb + 1) / 2;  // vectors of two blocks
+    __m512i v[4], ee[4], mx = _mm512_setzero_si512(), mn = _mm512_set1_epi8(63);
+    for (int i = 0; i < nv; ++i) {
+      v[i] = _mm512_maskz_loadu_epi8(nb >= 2 * i + 2 ? ~0ull : 0xffffffffull, sp + 64 * i);
+      ee[i] = lut(t, v[i]);
+      mx = _mm512_max_epu8(mx, ee[i]);
+      mn = _mm512_min_epu8(mn, lut(t + 128, v[i]));
+    }
+    mx = _mm512_max_epu8(mx, _mm512_shuffle_i64x2(mx, mx, 0x4e));  // both 256-bit halves: the 32 columns
+    mn = _mm512_min_epu8(mn, _mm512_shuffle_i64x2(mn, mn, 0x4e));
+    // a column whose nonzero blocks' exponents spread over more than kNvFoldD (mn = 63 if all are zero)
+    f.one = _mm512_cmpgt_epi8_mask(_mm512_sub_epi8(mx, mn), _mm512_set1_epi8(kNvFoldD)) == 0;
+    const __m512i eref = _mm512_sub_epi8(mx, _mm512_set1_epi8(kNvFoldD));
+    const __m512i bias = _mm512_set1_epi32(116);
+    for (int i = 0; i < nv; ++i) {
+      // sh = ee - eref into bits 5:3 (zero blocks: any sh, their entries are 0); without folding sh = 0
+      __m512i idx = lut(t + 256, v[i]);
+      if (f.one)
+        idx = _mm512_ternarylogic_epi32(idx, _mm512_slli_epi16(_mm512_sub_epi8(ee[i], eref), 3), _mm512_set1_epi8(0x38),
+                                        0xf8);  // idx | (sh & 0x38)
+      const __m512i mu = lut(t + 384, idx);
+      for (int k = 0; k < 4 && 2 * i + k / 2 < nb; ++k)
+        _mm512_store_si512(f.mult[2 * i + k / 2][k % 2], _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512(t + 512 + 64 * k), mu));
+      if (!f.one)
+        for (int k = 0; k < 2 && 2 * i + k < nb; ++k)
+          for (int h = 0; h < 2; ++h) {
+            const __m512i e32 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ee[i], 2 * k + h));
+            _mm512_store_si512(f.cs[2 * i + k] + 16 * h, _mm512_slli_epi32(_mm512_add_epi32(e32, bias), 23));
+          }
+    }
+    if (f.one)
+      for (int h = 0; h < 2; ++h) {
+        const __m512i e32 = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(eref, h));
+        _mm512_store_si512(f.cs[0] + 16 * h, _mm512_slli_epi32(_mm512_add_epi32(e32, bias), 23));
+      }
+  }
+};
+
+// Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (4 KiB for
+// L = 64, kept in L1), then run every row block over them - the decode is shared by all M rows.
+template <class Decode>
+inline void fused_i16_nvfp4_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
+                                                                int64_t M, int64_t L, int64_t p0, int64_t p1,
+                                                                const Decode& decode) {
+  const int64_t K = g.K, nab = K / L, pairs = L / 2;
+  const int nb = static_cast<int>(L / 16);
+  thread_local AlignedBuf<float> obuf;
+  thread_local AlignedBuf<int16_t> wbuf;
+  float* o = obuf.get(static_cast<size_t>(M) * W4_NP);
+  int16_t* w = wbuf.get(static_cast<size_t>(pairs) * 2 * W4_NP);
+  NvFold f;
+  const NvFolder fold;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* q = g.qpack + p * (K / 2) * W4_NP;
+    std::memset(o, 0, sizeof(float) * M * W4_NP);
+    for (int64_t blk = 0; blk < nab; ++blk) {
+      const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + (p * g.G + blk * nb) * W4_NP;
+      for (int i = 0; i < nb; i += 2) _mm_prefetch(reinterpret_cast<const char*>(sp + 1024 + 32 * i), _MM_HINT_T0);
+      fold(sp, nb, f);
+      const uint8_t* qb = q + blk * pairs * W4_NP;
+      for (int b = 0; b < nb; ++b) {
+        const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
+        for (int j = 8 * b; j < 8 * b + 8; j += 2) {
+          _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+          __m512i wl[2], wh[2];
+          decode(qb + j * W4_NP, wl, wh);
+          for (int u = 0; u < 2; ++u) {
+            _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
+            _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
+          }
+        }
+      }
+      const int64_t pf = f.one ? pairs : 8;
+      const int nf = f.one ? 1 : nb;
+      for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
+        const int64_t left = M - r0;
+        mr = left >= 8 ? 8 : left >= 4 ? 4 : left;
+        const int16_t* x0 = xq + r0 * K + blk * L;
+        const float* s0 = xs + r0 * nab + blk;
+        float* o0 = o + r0 * W4_NP;
+        switch (mr) {
+          case 8: rows_i16<8>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+          case 4: rows_i16<4>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+          case 3: rows_i16<3>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+          case 2: rows_i16<2>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+          default: rows_i16<1>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, o + m * W4_NP, W4_NP);
+  }
+}
+
+void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, int64_t M, int64_t L,
+                                 int64_t p0, int64_t p1) {
+  fused_i16_nvfp4_impl(g, xq, xs, M, L, p0, p1, ByteLutDecode());
 }
 #pragma GCC pop_options
 
@@ -429,18 +629,29 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
   else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
 }
 
+// HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
+static bool vbmi_enabled() {
+  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && __builtin_cpu_supports("avx512vbmi");
+  return vbmi;
+}
+
+bool w4a16_i16_nvfp4_folded(int64_t M) { return M > 8 && vbmi_enabled(); }
+
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1) {
-  // HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
-  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && __builtin_cpu_supports("avx512vbmi");
+  const bool vbmi = vbmi_enabled();
+  if (g.mode == W4_NVFP4 && ag > 16) {  // w4a16_i16_nvfp4_folded
+    fused_i16_nvfp4_folded_vbmi(g, xq, xs, M, ag, p0, p1);
+    return;
+  }
   if (g.mode == W4_NVFP4 && vbmi) fused_i16_nvfp4_vbmi(g, xq, xs, xd, M, ag, p0, p1);
   else if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_NVFP4>());
   else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_ASYM>());
   else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_SYM>());
 }
 
-bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
-                            int32_t* xd) {
+bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                            float* xs, int32_t* xd) {
   const int64_t nab = K / ag;
   auto load = [&](int64_t i, __mmask16 mk) -> __m512 {
     if (dtype == DT_BF16) {
@@ -454,8 +665,12 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nab; ++b) {
       const int64_t i0 = m * K + b * ag;
-      __m512 mx = _mm512_setzero_ps();
-      for (int64_t i = 0; i < ag; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load(i0 + i, mask(ag - i))));
+      __m512 mx = _mm512_setzero_ps(), sm = mx;
+      for (int64_t i = 0; i < ag; i += 16) {
+        const __m512 v = _mm512_abs_ps(load(i0 + i, mask(ag - i)));
+        mx = _mm512_max_ps(mx, v);
+        sm = _mm512_add_ps(sm, v);
+      }
       const float amax = _mm512_reduce_max_ps(mx);
       uint32_t bits;
       std::memcpy(&bits, &amax, 4);
@@ -463,8 +678,10 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
       // power-of-two scale 2^(e - 14) with e = exponent of the block max: |D| < 2^15, and every element within
       // 2^7 (bf16) / 2^4 (fp16) of the max converts exactly
       const int e = std::max(static_cast<int>(bits >> 23) - 127, -100);
-      const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, 14 - e));
-      xs[m * nab + b] = std::ldexp(1.0f, e - 14);
+      const int s = quant_x16_exponent(e, _mm512_reduce_add_ps(sm), ag, l1max);
+      if (s == INT32_MIN) return false;
+      const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -s));
+      xs[m * nab + b] = std::ldexp(1.0f, s);
       __m512i sum = _mm512_setzero_si512();
       for (int64_t i = 0; i < ag; i += 16) {
         const __mmask16 mk = mask(ag - i);

@@ -1,6 +1,8 @@
 // small inline helpers shared by the W4A16 sources (no torch headers, no ISA-specific code)
 #pragma once
 #include <cstdint>
+#include <climits>
+#include <cmath>
 #include <cstring>
 
 #include "aligned_buf.h"
@@ -35,6 +37,18 @@ inline float bf16_bits_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// Exponent s of the int16 activation scale 2^s of a block of ag k (w4a16_quant_x16_*): e - 14 for the block max's
+// exponent e, raised until the block's sum of |x| (l1, summed in fp32) rounds to a sum of |xq| of at most l1max
+// (rounding adds at most 1/2 per element; 2^-10 of margin for the fp32 sum); INT32_MIN if l1 is not finite.
+inline int quant_x16_exponent(int e, float l1, int64_t ag, int64_t l1max) {
+  int s = e - 14;
+  if (l1max <= 0) return s;
+  if (!std::isfinite(l1)) return INT32_MIN;
+  const float t = static_cast<float>(l1max - ag / 2) * (1.0f - 0x1p-10f);
+  while (std::ldexp(l1, -s) > t) ++s;
+  return s;
 }
 
 // store fp32 results v[0..cnt) of output row m, columns n0.. (gscale, bias, dtype conversion)

@@ -55,8 +55,8 @@ void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int
   }
 }
 
-bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int16_t* xq, float* xs,
-                             int32_t* xd) {
+bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                             float* xs, int32_t* xd) {
   const int64_t nab = K / ag;
   auto at = [&](int64_t i) -> float {
     if (dtype == DT_BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(x)[i]);
@@ -67,16 +67,20 @@ bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int
     for (int64_t b = 0; b < nab; ++b) {
       const int64_t i0 = m * K + b * ag;
       uint32_t mx = 0;  // magnitudes compare as integers
+      float l1 = 0.0f;
       for (int64_t i = 0; i < ag; ++i) {
         const float v = at(i0 + i);
         uint32_t u;
         std::memcpy(&u, &v, 4);
         mx = std::max(mx, u & 0x7fffffffu);
+        l1 += std::fabs(v);
       }
       if ((mx >> 23) >= 255) return false;
       const int e = std::max(static_cast<int>(mx >> 23) - 127, -100);
-      const float inv = std::ldexp(1.0f, 14 - e);
-      xs[m * nab + b] = std::ldexp(1.0f, e - 14);
+      const int s = quant_x16_exponent(e, l1, ag, l1max);
+      if (s == INT32_MIN) return false;
+      const float inv = std::ldexp(1.0f, -s);
+      xs[m * nab + b] = std::ldexp(1.0f, s);
       int32_t sum = 0;
       for (int64_t i = 0; i < ag; ++i) {
         // round half to even through the 1.5 * 2^23 magic number (|v| < 2^15), saturated like vpmovsdw

@@ -173,7 +173,8 @@ int64_t amx_min_m(const W4Gemm& g) {
 }
 
 // Activation block of the int16 path (w4a16_fused_i16_avx512): the largest divisor of the group size that is a
-// multiple of 4 and at most 4096 (NVFP4: 16); 0 if there is none >= 16 (then the path is not used). (Tried: an NVFP4
+// multiple of 4 and at most 4096; 0 if there is none >= 16 (then the path is not used). NVFP4: 16, or with the block
+// scales folded in (AVX-512 VBMI, M > 8: w4a16_i16_nvfp4_folded) the largest of 128, 64, 32 that divides K. (Tried: an NVFP4
 // int16 kernel with 64-k activation blocks - the activation scale applied once per 64 k, per 16-k block only the
 // block scale - was ~3% faster at M = 4 in one process, but 5-10% slower at M = 1, memory bound, with 16- or 64-k
 // blocks alike: 2 threads, cold, builds alternated 3 times, ms, this kernel / that one: 4096x4096 0.377-0.402 /
@@ -182,8 +183,11 @@ int64_t amx_min_m(const W4Gemm& g) {
 // 161.4 / 161.6 us; cold, 2 threads, 3 alternations, no difference at M = 2 or 4 on 2048^2, 4096^2, 11008x4096.
 // M = 4 runs 16 vpdpwssd + ByteLutDecode's 9 uops per 2 k-pairs in about 16 cycles - the vector ports, not the
 // epilogue, bound it.)
-int64_t i16_block(const W4Gemm& g) {
-  if (g.mode == W4_NVFP4) return 16;
+int64_t i16_block(CpuIsa isa, const W4Gemm& g, int64_t M) {
+  if (g.mode == W4_NVFP4) {
+    if (isa != CpuIsa::avx512 || !w4a16_i16_nvfp4_folded(M)) return 16;
+    return g.K % 128 == 0 ? 128 : g.K % 64 == 0 ? 64 : g.K % 32 == 0 ? 32 : 16;  // 16: nothing to fold
+  }
   for (int64_t d = std::min<int64_t>(g.gs, 4096); d >= 16; --d)
     if (g.gs % d == 0 && d % 4 == 0) return d;
   return 0;
@@ -450,7 +454,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   g.out = y.data_ptr(); g.ldo = n; g.out_dtype = dt_code(dt);
 
   // path 3 = 16-bit integer activations on the raw codes (AVX-512 VNNI vpdpwssd; AVX2 vpmaddwd)
-  const int64_t ag = isa != CpuIsa::generic ? i16_block(g) : 0;
+  const int64_t ag = isa != CpuIsa::generic ? i16_block(isa, g, M) : 0;
   const bool amx_ok =
       isa == CpuIsa::avx512 && dt == at::kBFloat16 && K % 32 == 0 && amx_enabled() && w4a16_amx_available();
   if (path == 3 && ag == 0) path = -1;  // no int16 block for this group size: the automatic choice
@@ -467,8 +471,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
     float* xsp = xs.data_ptr<float>();
     int32_t* xdp = xd.data_ptr<int32_t>();
     const bool avx512 = isa == CpuIsa::avx512;
-    if (avx512 ? w4a16_quant_x16_avx512(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)
-               : w4a16_quant_x16_generic(x.data_ptr(), dt_code(dt), M, K, ag, xqp, xsp, xdp)) {
+    const int64_t l1max = mode == W4_NVFP4 && ag > 16 ? kNvFoldL1 : 0;  // the folded NVFP4 kernel
+    if (avx512 ? w4a16_quant_x16_avx512(x.data_ptr(), dt_code(dt), M, K, ag, l1max, xqp, xsp, xdp)
+               : w4a16_quant_x16_generic(x.data_ptr(), dt_code(dt), M, K, ag, l1max, xqp, xsp, xdp)) {
       at::Tensor bf;
       if (bias) { bf = bias->to(at::kFloat).contiguous(); g.bias = bf.data_ptr<float>(); }
       at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
