@@ -352,7 +352,8 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
       const __m512 xsv = _mm512_set1_ps(xs[m * nab]);
       float* r = o + m * W4_NP;
       _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[m]), _mm512_mul_ps(c0, xsv), _mm512_load_ps(r)));
-      _mm512_store_ps(r + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[m]), _mm512_mul_ps(c1, xsv), _mm512_load_ps(r + 16)));
+      _mm512_store_ps(r + 16,
+                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[m]), _mm512_mul_ps(c1, xsv), _mm512_load_ps(r + 16)));
     }
   }
 }
@@ -470,7 +471,8 @@ struct NvFolder {
                                         0xf8);  // idx | (sh & 0x38)
       const __m512i mu = lut(t + 384, idx);
       for (int k = 0; k < 4 && 2 * i + k / 2 < nb; ++k)
-        _mm512_store_si512(f.mult[2 * i + k / 2][k % 2], _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512(t + 512 + 64 * k), mu));
+        _mm512_store_si512(f.mult[2 * i + k / 2][k % 2],
+                           _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512(t + 512 + 64 * k), mu));
       if (!f.one)
         for (int k = 0; k < 2 && 2 * i + k < nb; ++k)
           for (int h = 0; h < 2; ++h) {

@@ -172,17 +172,16 @@ int64_t amx_min_m(const W4Gemm& g) {
   return w4a16_amx_raw_ok(g, 1) ? 2 : 6;
 }
 
-// Activation block of the int16 path (w4a16_fused_i16_avx512): the largest divisor of the group size that is a
-// multiple of 4 and at most 4096; 0 if there is none >= 16 (then the path is not used). NVFP4: 16, or with the block
-// scales folded in (AVX-512 VBMI, M > 8: w4a16_i16_nvfp4_folded) the largest of 128, 64, 32 that divides K. (Tried: an NVFP4
-// int16 kernel with 64-k activation blocks - the activation scale applied once per 64 k, per 16-k block only the
-// block scale - was ~3% faster at M = 4 in one process, but 5-10% slower at M = 1, memory bound, with 16- or 64-k
-// blocks alike: 2 threads, cold, builds alternated 3 times, ms, this kernel / that one: 4096x4096 0.377-0.402 /
-// 0.411-0.417, 11008x4096 0.999-1.055 / 1.094-1.135. Re-tried for M >= 2 only, M = 1 keeping this kernel, with
-// the block scale's factor 2^7 moved into the activation scale: 1 thread, hot, 2048x2048 M=4 162.8 / 161.0 vs
-// 161.4 / 161.6 us; cold, 2 threads, 3 alternations, no difference at M = 2 or 4 on 2048^2, 4096^2, 11008x4096.
-// M = 4 runs 16 vpdpwssd + ByteLutDecode's 9 uops per 2 k-pairs in about 16 cycles - the vector ports, not the
-// epilogue, bound it.)
+// Activation block of the int16 path (w4a16_fused_i16_avx512): the largest divisor of the group size that is a multiple
+// of 4 and at most 4096; 0 if there is none >= 16 (then the path is not used). NVFP4: 16, or with the block scales
+// folded in (AVX-512 VBMI, M > 8: w4a16_i16_nvfp4_folded) the largest of 128, 64, 32 that divides K. (Tried: an NVFP4
+// int16 kernel with 64-k activation blocks - the activation scale applied once per 64 k, per 16-k block only the block
+// scale - was ~3% faster at M = 4 in one process, but 5-10% slower at M = 1, memory bound, with 16- or 64-k blocks
+// alike: 2 threads, cold, builds alternated 3 times, ms, this kernel / that one: 4096x4096 0.377-0.402 / 0.411-0.417,
+// 11008x4096 0.999-1.055 / 1.094-1.135. Re-tried for M >= 2 only, M = 1 keeping this kernel, with the block scale's
+// factor 2^7 moved into the activation scale: 1 thread, hot, 2048x2048 M=4 162.8 / 161.0 vs 161.4 / 161.6 us; cold, 2
+// threads, 3 alternations, no difference at M = 2 or 4 on 2048^2, 4096^2, 11008x4096. M = 4 runs 16 vpdpwssd +
+// ByteLutDecode's 9 uops per 2 k-pairs in about 16 cycles - the vector ports, not the epilogue, bound it.)
 int64_t i16_block(CpuIsa isa, const W4Gemm& g, int64_t M) {
   if (g.mode == W4_NVFP4) {
     if (isa != CpuIsa::avx512 || !w4a16_i16_nvfp4_folded(M)) return 16;
