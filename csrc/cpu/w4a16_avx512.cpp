@@ -393,27 +393,25 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
                           int64_t ag, int64_t p0, int64_t p1) {
   fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, ByteLutDecode());
 }
-// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M > 8 with
-// VBMI): one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3
-// scale is
-// mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1) and the doubled e2m1
-// value 2w an integer up to 12, so with eref = (largest ee of the column over the nb blocks) - kNvFoldD each
-// weight is exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880),
-// one vpmullw per 32 decoded codes, and one column scale 2^(eref - 11) per activation block. A block whose ee lies
-// more than kNvFoldD below the largest would lose bits: when any of the 32 columns has such a pair of nonzero
-// blocks, that activation block of the panel flushes once per 16-k block instead (multiplier mt, scale
-// 2^(ee - 11)), which is the same arithmetic as without folding. Exact in both cases; the int32 sums stay below
-// 2^31 because the activation quantizer bounds each block's sum of |xq| by kNvFoldL1 (w4a16.h).
-// Each activation block's codes are decoded once into an L1 buffer that all row blocks then read, so the decode,
-// the vpmullw and the fold are shared by the M rows. Measured on the AMX Xeon VM with AMX off (the path of a CPU
-// without AMX), 2 threads, cold, medians of 5-7 interleaved rounds, ms, per-16-k kernel / this one / int4 g128:
-// 4096x4096 M=16 1.418 / 1.096 / 0.936, M=32 2.753 / 1.852-2.007 / 1.724-1.769; 11008x4096 M=16 2.871 / 2.442
-// (int4), M=32 4.846 / 4.744 (int4); M = 5 0.639 / 0.648, M = 6 0.561 / 0.717, M = 8 0.724 / 0.732 - the
+// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M > 8 with VBMI):
+// one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
+// mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
+// 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
+// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), one vpmullw per
+// 32 decoded codes, and one column scale 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
+// below the largest would lose bits: when any of the 32 columns has such a pair of nonzero blocks, that activation
+// block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
+// without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
+// block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
+// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows. Measured on the AMX Xeon VM
+// with AMX off (the path of a CPU without AMX), 2 threads, cold, medians of 5-7 interleaved rounds, ms, per-16-k kernel
+// / this one / int4 g128: 4096x4096 M=16 1.418 / 1.096 / 0.936, M=32 2.753 / 1.852-2.007 / 1.724-1.769; 11008x4096 M=16
+// 2.871 / 2.442 (int4), M=32 4.846 / 4.744 (int4); M = 5 0.639 / 0.648, M = 6 0.561 / 0.717, M = 8 0.724 / 0.732 - the
 // per-16-k kernel keeps M <= 8 (6-row blocks, no buffer). (Tried: L = 64 instead of 128, M=16 1.27x int4 instead of
-// 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of
-// the buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.)
-// What is left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6) and accumulator
-// copies GCC adds in rows_i16's loop.
+// 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of the
+// buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.) What is
+// left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6) and accumulator copies GCC adds
+// in rows_i16's loop.
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -493,11 +491,10 @@ struct NvFolder {
 // 32 rows 1.15 / 1.17, of 64 rows 1.17 / 1.51).
 constexpr int64_t kNvRowChunk = 32;
 
-// Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (4 KiB for
-// L = 64, kept in L1), then run every row block over them - the decode is shared by all M rows.
-template <class Decode>
-inline void fused_i16_nvfp4_impl(const W4Gemm& g, const int16_t* xq0, const float* xs0, int64_t M0, int64_t L,
-                                 int64_t p0, int64_t p1, const Decode& decode) {
+// Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (8 KiB for
+// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk.
+void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const float* xs0, int64_t M0, int64_t L,
+                                 int64_t p0, int64_t p1) {
   const int64_t K = g.K, nab = K / L, pairs = L / 2;
   const int nb = static_cast<int>(L / 16);
   thread_local AlignedBuf<float> obuf;
@@ -505,7 +502,8 @@ inline void fused_i16_nvfp4_impl(const W4Gemm& g, const int16_t* xq0, const floa
   float* o = obuf.get(static_cast<size_t>(kNvRowChunk) * W4_NP);
   int16_t* w = wbuf.get(static_cast<size_t>(pairs) * 2 * W4_NP);
   NvFold f;
-  const NvFolder fold;
+  static const NvFolder fold;
+  const ByteLutDecode decode;
   for (int64_t p = p0; p < p1; ++p)
   for (int64_t c0 = 0; c0 < M0; c0 += kNvRowChunk) {
     const int64_t M = std::min(kNvRowChunk, M0 - c0);
@@ -550,11 +548,6 @@ inline void fused_i16_nvfp4_impl(const W4Gemm& g, const int16_t* xq0, const floa
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, c0 + m, p * W4_NP, o + m * W4_NP, W4_NP);
   }
-}
-
-void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, int64_t M, int64_t L,
-                                 int64_t p0, int64_t p1) {
-  fused_i16_nvfp4_impl(g, xq, xs, M, L, p0, p1, ByteLutDecode());
 }
 #pragma GCC pop_options
 
@@ -679,7 +672,7 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
       for (int64_t i = 0; i < ag; i += 16) {
         const __m512 v = _mm512_abs_ps(load(i0 + i, mask(ag - i)));
         mx = _mm512_max_ps(mx, v);
-        sm = _mm512_add_ps(sm, v);
+        if (l1max > 0) sm = _mm512_add_ps(sm, v);
       }
       const float amax = _mm512_reduce_max_ps(mx);
       uint32_t bits;

@@ -73,7 +73,7 @@ bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int
         uint32_t u;
         std::memcpy(&u, &v, 4);
         mx = std::max(mx, u & 0x7fffffffu);
-        l1 += std::fabs(v);
+        if (l1max > 0) l1 += std::fabs(v);
       }
       if ((mx >> 23) >= 255) return false;
       const int e = std::max(static_cast<int>(mx >> 23) - 127, -100);
