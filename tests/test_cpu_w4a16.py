@@ -649,3 +649,19 @@ def test_int16_path_nvfp4_int32_headroom(isa):
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=3)
         expect = x.double() @ W.T
         assert torch.allclose(y.double(), expect, rtol=2 ** -8), (sign, y[0, :4], expect[0, :4])
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i == "avx512"])
+def test_int16_path_nvfp4_folded_sum_overflow_falls_back(isa):
+    """The folded NVFP4 kernel's quantizer (AVX-512) sums |x| per 128-k block in fp32; finite bf16 activations near
+    the bf16 maximum overflow that sum to inf, and the call must then take the fp32 kernel (as for inf / nan in x),
+    bit for bit the same as path 0 (an unguarded search for the scale would never end)."""
+    n, k = 32, 256
+    spec, qw = make_qweight("modelopt_nvfp4", n, k, 16, seed=5)
+    q, s, z, _ = prep(qw)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(12, k, generator=gen) * 1e-3).to(torch.bfloat16)
+    x[3, :128] = 3.0e38  # finite in bf16; 128 of them sum past the fp32 range
+    y3 = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=3)
+    y0 = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=0)
+    assert torch.equal(y3.isnan(), y0.isnan()) and torch.equal(y3.nan_to_num(), y0.nan_to_num())
