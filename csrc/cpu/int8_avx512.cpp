@@ -111,6 +111,8 @@ template <int MR, bool OTF>
 HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
   const int64_t Gp = a.Gp;
   const __m512i mask = _mm512_set1_epi8(0x0f);
+  const char* pf = a.pf;
+  const char* const pfe = a.pf + 64 * a.pfn;
   for (int64_t g = a.s0 / Gp; g * Gp < a.s1; ++g) {
     const int64_t gs0 = g * Gp > a.s0 ? g * Gp : a.s0;
     const int64_t gs1 = (g + 1) * Gp < a.s1 ? (g + 1) * Gp : a.s1;
@@ -129,6 +131,11 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
           _mm_prefetch((const char*)B + HF_PF8 + 128, _MM_HINT_T0);
           _mm_prefetch((const char*)B + HF_PF8 + 192, _MM_HINT_T0);
           for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
+        }
+        if (pf < pfe) {
+          _mm_prefetch(pf, _MM_HINT_T1);
+          _mm_prefetch(pf + 64, _MM_HINT_T1);
+          pf += 128;
         }
         const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
         const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);
