@@ -185,6 +185,7 @@ HF_TAVX2I __m128i f32_to_bf16_8(__m256 v) {
 template <bool VNNI>
 struct TAvx2 {
   static constexpr int MR = VNNI ? 3 : 2;
+  static constexpr bool kFusedDecode = false;
   static void tile(const TileArgs& a) {
     if (a.otf) {
       switch (a.mr) {

@@ -101,6 +101,10 @@ HF_T512I __m512i bcast4(const int8_t* p) {
     const __m512i raw = _mm512_loadu_si512(B + 64 * J);                              \
     const __m512i lo = _mm512_and_si512(raw, mask);                                  \
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);            \
+    if (D) {                                                                         \
+      _mm512_store_si512(D + 64 * J, lo);                                            \
+      _mm512_store_si512(D + 256 + 64 * J, hi);                                      \
+    }                                                                                \
     HF_STEPJ(0, J, lo, 0) HF_STEPJ(1, J, lo, 0) HF_STEPJ(2, J, lo, 0)                \
     HF_STEPJ(3, J, lo, 0) HF_STEPJ(4, J, lo, 0) HF_STEPJ(5, J, lo, 0)                \
     HF_STEPJ(0, J, hi, MRA * 4) HF_STEPJ(1, J, hi, MRA * 4) HF_STEPJ(2, J, hi, MRA * 4) \
@@ -145,6 +149,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
       }
     } else {
       const uint8_t* B = a.b + (gs0 - a.kb0) * (NR / 2);
+      uint8_t* D = a.dec ? a.dec + (gs0 - a.kb0) * NR : nullptr;
       const int64_t nq2 = (gs1 - gs0) / 8;
       for (int64_t q2 = 0; q2 < nq2; ++q2) {
         _mm_prefetch((const char*)B + HF_PF, _MM_HINT_T0);
@@ -152,9 +157,15 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
         _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
+        if (pf < pfe) {
+          _mm_prefetch(pf, _MM_HINT_T1);
+          _mm_prefetch(pf + 64, _MM_HINT_T1);
+          pf += 128;
+        }
         HF_OTF_J(0) HF_OTF_J(1) HF_OTF_J(2) HF_OTF_J(3)
         A += 2 * MRA * 4;
         B += 256;
+        if (D) D += 512;
       }
     }
     if (store_ci) {
@@ -179,6 +190,7 @@ HF_T512I __m512 load16(const void* x, int t, int64_t i) {
 
 struct T512 {
   static constexpr int MR = MRA;
+  static constexpr bool kFusedDecode = true;
   static void tile(const TileArgs& a) {
     if (a.otf) {
       switch (a.mr) {

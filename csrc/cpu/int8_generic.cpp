@@ -326,6 +326,7 @@ void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
 namespace {
 struct GenericT {
   static constexpr int MR = MRA;
+  static constexpr bool kFusedDecode = false;
   static void tile(const TileArgs& a) {
     int32_t acc[MRA][NR];
     const int64_t Gp = a.Gp;
