@@ -177,16 +177,22 @@ struct WordDecode {
   }
 };
 
-#define HF_I4_ZERO2(A, B) "vpxord %[" A "], %[" A "], %[" A "]\n\tvpxord %[" B "], %[" B "], %[" B "]\n\t"
-#define HF_I4_ROW(XOFF, X, WL, WH, A, B)                         \
+// Inline asm for the 8-row dot loops of the int16 kernels (panel_rows_i16's int4 blocks, rows_i16). GCC 12 compiled
+// them with ~18 register-to-register copies of the 16 int32 accumulators and 2 stack stores per 32 vpdpwssd (it
+// renames the accumulators every iteration), which bound the loop by the 6-wide rename rather than by the 2 vpdpwssd
+// ports. In asm the accumulators are the outputs a0-7 / b0-7 (columns 0..15 / 16..31 of rows 0-7), zeroed first;
+// the flushes stay in C++. Same integers: bit-identical. A row step: broadcast the row's k-pair of x (byte offset
+// XOFF + k from the row's pointer) and two vpdpwssd with the pair's weights in zmm WL / WH.
+#define HF_I16_ZERO2(A, B) "vpxord %[" A "], %[" A "], %[" A "]\n\tvpxord %[" B "], %[" B "], %[" B "]\n\t"
+#define HF_I16_ROW(XOFF, X, WL, WH, A, B)                         \
   "vpbroadcastd " XOFF "(%[" X "],%[k],1), %%zmm27\n\t"         \
   "vpdpwssd %%zmm27, %%zmm" WL ", %[" A "]\n\t"                 \
   "vpdpwssd %%zmm27, %%zmm" WH ", %[" B "]\n\t"
-#define HF_I4_ROWS(XOFF, WL, WH)                                                                              \
-  HF_I4_ROW(XOFF, "x0", WL, WH, "a0", "b0") HF_I4_ROW(XOFF, "x1", WL, WH, "a1", "b1")                        \
-  HF_I4_ROW(XOFF, "x2", WL, WH, "a2", "b2") HF_I4_ROW(XOFF, "x3", WL, WH, "a3", "b3")                        \
-  HF_I4_ROW(XOFF, "x4", WL, WH, "a4", "b4") HF_I4_ROW(XOFF, "x5", WL, WH, "a5", "b5")                        \
-  HF_I4_ROW(XOFF, "x6", WL, WH, "a6", "b6") HF_I4_ROW(XOFF, "x7", WL, WH, "a7", "b7")
+#define HF_I16_ROWS8(XOFF, WL, WH)                                                                              \
+  HF_I16_ROW(XOFF, "x0", WL, WH, "a0", "b0") HF_I16_ROW(XOFF, "x1", WL, WH, "a1", "b1")                        \
+  HF_I16_ROW(XOFF, "x2", WL, WH, "a2", "b2") HF_I16_ROW(XOFF, "x3", WL, WH, "a3", "b3")                        \
+  HF_I16_ROW(XOFF, "x4", WL, WH, "a4", "b4") HF_I16_ROW(XOFF, "x5", WL, WH, "a5", "b5")                        \
+  HF_I16_ROW(XOFF, "x6", WL, WH, "a6", "b6") HF_I16_ROW(XOFF, "x7", WL, WH, "a7", "b7")
 template <int MR, int MODE, class Decode>
 __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq,
                                                           int64_t ldx, const float* xs, const int32_t* xd, int64_t ag,
@@ -220,17 +226,16 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     const uint8_t* qq = q + b * pairs * W4_NP;
     const int16_t* xb = xq + b * ag;
     if constexpr (MR == 8 && MODE != W4_NVFP4) {
-      // int4, 8 rows: the loop in inline asm, as rows8_i16 below (GCC 12 copied the accumulators between registers
-      // and to the stack every iteration). Same integers, bit-identical. k = 4 x the k-pair index: the byte offset
-      // into each row of x, and (scaled by 8) into the codes. Measured on the AMX Xeon VM with AMX off, ms, C++ /
-      // asm: hot 1024x1024 1 thread M=16 0.105 / 0.103, M=32 0.210 / 0.201; cold, 2 threads, builds alternated 3
-      // times, 4096x4096 M=16 0.940-0.945 / 0.906-0.922, M=32 1.73-1.83 / 1.70-1.72, M=8 level. About 5 G vpdpwssd
-      // per second per core: with the decode's 6 uops per 32 vpdpwssd the two vector ports are nearly full.
+      // int4, 8 rows: the loop in inline asm (see HF_I16_ROW). k = 4 x the k-pair index: the byte offset into each
+      // row of x, and (scaled by 8) into the codes. Measured on the AMX Xeon VM with AMX off, ms, C++ / asm: hot
+      // 1024x1024 1 thread M=16 0.105 / 0.103, M=32 0.210 / 0.201; cold, 2 threads, builds alternated 3 times,
+      // 4096x4096 M=16 0.940-0.945 / 0.906-0.922, M=32 1.73-1.83 / 1.70-1.72, M=8 level. About 5 G vpdpwssd per
+      // second per core: with the decode's 6 uops per 32 vpdpwssd the two vector ports are nearly full.
       static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
       int64_t k = 0;
       asm volatile(
-          HF_I4_ZERO2("a0", "b0") HF_I4_ZERO2("a1", "b1") HF_I4_ZERO2("a2", "b2") HF_I4_ZERO2("a3", "b3")
-          HF_I4_ZERO2("a4", "b4") HF_I4_ZERO2("a5", "b5") HF_I4_ZERO2("a6", "b6") HF_I4_ZERO2("a7", "b7")
+          HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3")
+          HF_I16_ZERO2("a4", "b4") HF_I16_ZERO2("a5", "b5") HF_I16_ZERO2("a6", "b6") HF_I16_ZERO2("a7", "b7")
           "1:\n\t"
           "vpmovzxbw (%[q],%[k],8), %%zmm30\n\t"
           "vpmovzxbw 32(%[q],%[k],8), %%zmm31\n\t"
@@ -240,7 +245,7 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
           "vpandd %[m15], %%zmm30, %%zmm30\n\t"
           "vpsrlw $4, %%zmm31, %%zmm28\n\t"
           "vpandd %[m15], %%zmm31, %%zmm31\n\t"
-          HF_I4_ROWS("", "30", "29") HF_I4_ROWS("4", "31", "28")
+          HF_I16_ROWS8("", "30", "29") HF_I16_ROWS8("4", "31", "28")
           "add $8, %[k]\n\t"
           "cmp %[n], %[k]\n\t"
           "jl 1b\n\t"
@@ -360,74 +365,6 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
 // 0..15 and 16..31, then pair j + 1's), flushed into the fp32 sums o [MR][32] every pf k-pairs with the column
 // scales cs + 32 f and the activation scale xs[m * nab]. MR <= 2 splits even and odd k-pairs into two accumulator
 // chains (latency bound otherwise).
-// rows_i16 for 8 rows in inline asm. GCC 12 compiled the C++ loop with ~18 register-to-register copies of the 16
-// int32 accumulators and 2 stack stores per 32 vpdpwssd (it renames the accumulators every iteration), which leaves
-// the loop bound by the 6-wide rename rather than by the 2 vpdpwssd ports. Here the accumulators are zmm0-15 for
-// the whole block (zeroed, 2 k-pairs per iteration, flushed into o), a k-pair costs 2 loads, 8 broadcasts and 16
-// vpdpwssd. Same operations in the same order as the C++ version (o += cvt(sum) * (cs * xs), one fma): bit-identical.
-// Measured on the AMX Xeon VM with AMX off, NVFP4 folded, ms, C++ / asm: hot 1024x1024 1 thread M=16 0.134 / 0.127,
-// M=32 0.241 / 0.224; cold, 2 threads, 5 interleaved rounds, 4096x4096 M=16 1.178 / 1.120, M=64 3.994 / 3.743,
-// 11008x4096 M=16 3.022 / 2.879, 2048x2048 M=16 0.308 / 0.295.
-#define HF_W4_DOT1(XOFF, X, A, B)                       \
-  "vpbroadcastd " XOFF "(%[" X "],%[j],4), %%zmm29\n\t" \
-  "vpdpwssd %%zmm29, %%zmm30, %%zmm" A "\n\t"           \
-  "vpdpwssd %%zmm29, %%zmm31, %%zmm" B "\n\t"
-#define HF_W4_DOT8(WOFF, XOFF)                                                                           \
-  "vmovdqa64 " WOFF "(%[w]), %%zmm30\n\t"                                                               \
-  "vmovdqa64 " WOFF "+64(%[w]), %%zmm31\n\t"                                                            \
-  HF_W4_DOT1(XOFF, "x0", "0", "8") HF_W4_DOT1(XOFF, "x1", "1", "9") HF_W4_DOT1(XOFF, "x2", "2", "10")    \
-  HF_W4_DOT1(XOFF, "x3", "3", "11") HF_W4_DOT1(XOFF, "x4", "4", "12") HF_W4_DOT1(XOFF, "x5", "5", "13") \
-  HF_W4_DOT1(XOFF, "x6", "6", "14") HF_W4_DOT1(XOFF, "x7", "7", "15")
-#define HF_W4_ZERO2(A, B) "vpxord %%zmm" A ", %%zmm" A ", %%zmm" A "\n\tvpxord %%zmm" B ", %%zmm" B ", %%zmm" B "\n\t"
-// row m (accumulators A: columns 0..15, B: 16..31; xs at XOFF, o at OOFF): o += cvt(acc) * (cs * xs)
-#define HF_W4_FLUSH1(XOFF, A, B, OOFF)                       \
-  "vbroadcastss " XOFF "(%[xs]), %%zmm29\n\t"               \
-  "vmulps %%zmm29, %%zmm30, %%zmm28\n\t"                    \
-  "vmulps %%zmm29, %%zmm31, %%zmm29\n\t"                    \
-  "vcvtdq2ps %%zmm" A ", %%zmm" A "\n\t"                    \
-  "vcvtdq2ps %%zmm" B ", %%zmm" B "\n\t"                    \
-  "vfmadd213ps " OOFF "(%[o]), %%zmm28, %%zmm" A "\n\t"      \
-  "vfmadd213ps " OOFF "+64(%[o]), %%zmm29, %%zmm" B "\n\t"   \
-  "vmovaps %%zmm" A ", " OOFF "(%[o])\n\t"                   \
-  "vmovaps %%zmm" B ", " OOFF "+64(%[o])\n\t"
-__attribute__((always_inline)) inline void rows8_i16(const int16_t* w, int64_t pf, int nf, const int16_t* x,
-                                                     int64_t ldx, const float* cs, const float* xs, int64_t nab,
-                                                     float* o) {
-  static_assert(W4_NP == 32, "the asm addresses rows of o 128 bytes apart");
-  for (int fi = 0; fi < nf; ++fi) {
-    const int16_t* xf = x + 2 * fi * pf;
-    alignas(64) float xsm[8];
-    for (int m = 0; m < 8; ++m) xsm[m] = xs[m * nab];
-    const int16_t* wp = w + fi * pf * 2 * W4_NP;
-    int64_t j = 0;  // pf is even
-    asm volatile(
-        HF_W4_ZERO2("0", "8") HF_W4_ZERO2("1", "9") HF_W4_ZERO2("2", "10") HF_W4_ZERO2("3", "11")
-        HF_W4_ZERO2("4", "12") HF_W4_ZERO2("5", "13") HF_W4_ZERO2("6", "14") HF_W4_ZERO2("7", "15")
-        "1:\n\t"
-        HF_W4_DOT8("0", "0") HF_W4_DOT8("128", "4")
-        "add $256, %[w]\n\t"
-        "add $2, %[j]\n\t"
-        "cmp %[n], %[j]\n\t"
-        "jl 1b\n\t"
-        "vmovaps (%[cs]), %%zmm30\n\t"
-        "vmovaps 64(%[cs]), %%zmm31\n\t"
-        HF_W4_FLUSH1("0", "0", "8", "0") HF_W4_FLUSH1("4", "1", "9", "128") HF_W4_FLUSH1("8", "2", "10", "256")
-        HF_W4_FLUSH1("12", "3", "11", "384") HF_W4_FLUSH1("16", "4", "12", "512")
-        HF_W4_FLUSH1("20", "5", "13", "640") HF_W4_FLUSH1("24", "6", "14", "768")
-        HF_W4_FLUSH1("28", "7", "15", "896")
-        : [w] "+r"(wp), [j] "+r"(j)
-        : [x0] "r"(xf), [x1] "r"(xf + ldx), [x2] "r"(xf + 2 * ldx), [x3] "r"(xf + 3 * ldx), [x4] "r"(xf + 4 * ldx),
-          [x5] "r"(xf + 5 * ldx), [x6] "r"(xf + 6 * ldx), [x7] "r"(xf + 7 * ldx), [n] "r"(pf),
-          [cs] "r"(cs + W4_NP * fi), [xs] "r"(xsm), [o] "r"(o)
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-          "xmm13", "xmm14", "xmm15", "xmm28", "xmm29", "xmm30", "xmm31", "cc", "memory");
-  }
-}
-#undef HF_W4_DOT1
-#undef HF_W4_DOT8
-#undef HF_W4_ZERO2
-#undef HF_W4_FLUSH1
-
 template <int MR>
 __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf, int nf, const int16_t* x,
                                                     int64_t ldx, const float* cs, const float* xs, int64_t nab,
@@ -438,6 +375,34 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
     for (int m = 0; m < MR; ++m) a0[m] = a1[m] = b0[m] = b1[m] = _mm512_setzero_si512();
     const int16_t* wf = w + fi * pf * 2 * W4_NP;
     const int16_t* xf = x + 2 * fi * pf;
+    if constexpr (MR == 8) {
+      // in inline asm, as panel_rows_i16's int4 loop. NVFP4 folded, measured on the AMX Xeon VM with AMX off, ms,
+      // C++ / asm: hot 1024x1024 1 thread M=16 0.134 / 0.127, M=32 0.241 / 0.224; cold, 2 threads, 5 interleaved
+      // rounds, 4096x4096 M=16 1.178 / 1.120, M=64 3.994 / 3.743, 11008x4096 M=16 3.022 / 2.879, 2048x2048 M=16
+      // 0.308 / 0.295.
+      int64_t k = 0;
+      const int16_t* wp = wf;
+      asm volatile(
+          HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3")
+          HF_I16_ZERO2("a4", "b4") HF_I16_ZERO2("a5", "b5") HF_I16_ZERO2("a6", "b6") HF_I16_ZERO2("a7", "b7")
+          "1:\n\t"
+          "vmovdqa64 (%[w]), %%zmm30\n\t"
+          "vmovdqa64 64(%[w]), %%zmm29\n\t"
+          "vmovdqa64 128(%[w]), %%zmm31\n\t"
+          "vmovdqa64 192(%[w]), %%zmm28\n\t"
+          HF_I16_ROWS8("", "30", "29") HF_I16_ROWS8("4", "31", "28")
+          "add $256, %[w]\n\t"
+          "add $8, %[k]\n\t"
+          "cmp %[n], %[k]\n\t"
+          "jl 1b\n\t"
+          : [a0] "=&v"(a0[0]), [b0] "=&v"(a1[0]), [a1] "=&v"(a0[1]), [b1] "=&v"(a1[1]), [a2] "=&v"(a0[2]),
+            [b2] "=&v"(a1[2]), [a3] "=&v"(a0[3]), [b3] "=&v"(a1[3]), [a4] "=&v"(a0[4]), [b4] "=&v"(a1[4]),
+            [a5] "=&v"(a0[5]), [b5] "=&v"(a1[5]), [a6] "=&v"(a0[6]), [b6] "=&v"(a1[6]), [a7] "=&v"(a0[7]),
+            [b7] "=&v"(a1[7]), [w] "+r"(wp), [k] "+r"(k)
+          : [x0] "r"(xf), [x1] "r"(xf + ldx), [x2] "r"(xf + 2 * ldx), [x3] "r"(xf + 3 * ldx), [x4] "r"(xf + 4 * ldx),
+            [x5] "r"(xf + 5 * ldx), [x6] "r"(xf + 6 * ldx), [x7] "r"(xf + 7 * ldx), [n] "r"(4 * pf)
+          : "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "cc", "memory");
+    } else
     for (int64_t j = 0; j < pf; j += 2) {
 #pragma GCC unroll 2
       for (int u = 0; u < 2; ++u) {
@@ -470,6 +435,10 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
     }
   }
 }
+
+#undef HF_I16_ZERO2
+#undef HF_I16_ROW
+#undef HF_I16_ROWS8
 
 #pragma GCC push_options
 #pragma GCC target("avx512vbmi")
@@ -523,8 +492,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // per-16-k kernel keeps M <= 8 (6-row blocks, no buffer). (Tried: L = 64 instead of 128, M=16 1.27x int4 instead of
 // 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of the
 // buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.) What is
-// left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6) and accumulator copies GCC adds
-// in rows_i16's loop.
+// left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -651,7 +619,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
         const float* s0 = xs + r0 * nab + blk;
         float* o0 = o + r0 * W4_NP;
         switch (mr) {
-          case 8: rows8_i16(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
+          case 8: rows_i16<8>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
           case 4: rows_i16<4>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
           case 3: rows_i16<3>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
           case 2: rows_i16<2>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
