@@ -111,6 +111,15 @@ HF_T512I __m512i bcast4(const int8_t* p) {
     HF_STEPJ(3, J, hi, MRA * 4) HF_STEPJ(4, J, hi, MRA * 4) HF_STEPJ(5, J, hi, MRA * 4) \
   }
 
+// two lines per K step of the tile's share of the next weight block (TileArgs::pf), until it is all requested
+HF_T512I void prefetch_share(const char*& pf, const char* pfe) {
+  if (pf < pfe) {
+    _mm_prefetch(pf, _MM_HINT_T1);
+    _mm_prefetch(pf + 64, _MM_HINT_T1);
+    pf += 128;
+  }
+}
+
 template <int MR, bool OTF>
 HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
   const int64_t Gp = a.Gp;
@@ -136,11 +145,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
           _mm_prefetch((const char*)B + HF_PF8 + 192, _MM_HINT_T0);
           for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
         }
-        if (pf < pfe) {
-          _mm_prefetch(pf, _MM_HINT_T1);
-          _mm_prefetch(pf + 64, _MM_HINT_T1);
-          pf += 128;
-        }
+        prefetch_share(pf, pfe);
         const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
         const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);
         HF_ROWS(HF_STEP4)
@@ -157,11 +162,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
         _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
-        if (pf < pfe) {
-          _mm_prefetch(pf, _MM_HINT_T1);
-          _mm_prefetch(pf + 64, _MM_HINT_T1);
-          pf += 128;
-        }
+        prefetch_share(pf, pfe);
         HF_OTF_J(0) HF_OTF_J(1) HF_OTF_J(2) HF_OTF_J(3)
         A += 2 * MRA * 4;
         B += 256;
