@@ -19,9 +19,9 @@ activations at large M without AMX take whichever of the int16 kernel, dequantiz
 GEMM is fastest on this CPU at the call's M: each is timed at two M once per process and weight type, and a straight
 line through the two timings predicts the rest (``hf_w4.ops.cpu_w4a16_info()`` shows the choice by M and the times;
 ``HF_W4_LARGE_PATH`` sets one path). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel (rows 8
-at a time, NVFP4 6) ran int4 2.6-3.2x and NVFP4 1.7-2.2x the dense bf16 GEMM from M = 64 on; capped to AVX2, the int16
-kernel up to M ~ 70 (int4) / ~ 35 (NVFP4), then the fp32 GEMM; with AMX, the bf16 GEMM. Crossovers measured in
-csrc/cpu/w4a16_torch.cpp.
+at a time; NVFP4 with its block scales folded in, decoded once per 32 rows) ran int4 2.6-3.3x and NVFP4 2.6-3.2x the
+dense bf16 GEMM from M = 64 on; capped to AVX2, the int16 kernel up to M ~ 70 (int4) / ~ 35 (NVFP4), then the fp32
+GEMM; with AMX, the bf16 GEMM. Crossovers measured in csrc/cpu/w4a16_torch.cpp.
 """
 from __future__ import annotations
 
