@@ -184,6 +184,9 @@ struct WordDecode {
 // the flushes stay in C++. Same integers: bit-identical. A row step: broadcast the row's k-pair of x (byte offset
 // XOFF + k from the row's pointer) and two vpdpwssd with the pair's weights in zmm WL / WH.
 #define HF_I16_ZERO2(A, B) "vpxord %[" A "], %[" A "], %[" A "]\n\tvpxord %[" B "], %[" B "], %[" B "]\n\t"
+#define HF_I16_ZERO8                                                                                        \
+  HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3") \
+  HF_I16_ZERO2("a4", "b4") HF_I16_ZERO2("a5", "b5") HF_I16_ZERO2("a6", "b6") HF_I16_ZERO2("a7", "b7")
 #define HF_I16_ROW(XOFF, X, WL, WH, A, B)                         \
   "vpbroadcastd " XOFF "(%[" X "],%[k],1), %%zmm27\n\t"         \
   "vpdpwssd %%zmm27, %%zmm" WL ", %[" A "]\n\t"                 \
@@ -234,9 +237,7 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
       static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
       int64_t k = 0;
       asm volatile(
-          HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3")
-          HF_I16_ZERO2("a4", "b4") HF_I16_ZERO2("a5", "b5") HF_I16_ZERO2("a6", "b6") HF_I16_ZERO2("a7", "b7")
-          "1:\n\t"
+          HF_I16_ZERO8 "1:\n\t"
           "vpmovzxbw (%[q],%[k],8), %%zmm30\n\t"
           "vpmovzxbw 32(%[q],%[k],8), %%zmm31\n\t"
           "prefetcht0 8192(%[q],%[k],8)\n\t"
@@ -383,9 +384,7 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
       int64_t k = 0;
       const int16_t* wp = wf;
       asm volatile(
-          HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3")
-          HF_I16_ZERO2("a4", "b4") HF_I16_ZERO2("a5", "b5") HF_I16_ZERO2("a6", "b6") HF_I16_ZERO2("a7", "b7")
-          "1:\n\t"
+          HF_I16_ZERO8 "1:\n\t"
           "vmovdqa64 (%[w]), %%zmm30\n\t"
           "vmovdqa64 64(%[w]), %%zmm29\n\t"
           "vmovdqa64 128(%[w]), %%zmm31\n\t"
@@ -437,6 +436,7 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
 }
 
 #undef HF_I16_ZERO2
+#undef HF_I16_ZERO8
 #undef HF_I16_ROW
 #undef HF_I16_ROWS8
 
