@@ -31,6 +31,11 @@
 // (kW4PrefetchFarBytes). Builds alternated twice, 4096x4096, 2 threads, cold, medians of 2 interleaved rounds, ms,
 // without / with: W8A8 M=1 0.657-0.661 / 0.625-0.635, M=4 0.700-0.702 / 0.626-0.641 (zentorch W8A8 0.662-0.669 /
 // 0.773-0.797); W4A8 M=1 0.349-0.350 / 0.337-0.339, M=4 0.385-0.388 / 0.358-0.362.
+// Only where no row tile prefetches the next block (TileArgs::pfn == 0: one row tile): with several, the far
+// prefetch of the first tile only duplicated theirs and held fill buffers (perf put its stalls on the far prefetch).
+// Builds alternated three times, 2 threads, cold, ms, with / without: W4A8 g128 4096x4096 M=8 0.518-0.523 /
+// 0.480-0.484, M=16 0.681-0.707 / 0.632-0.651, M=48 1.41-1.56 / 1.36-1.47, 11008x4096 M=8 1.35-1.39 / 1.25-1.28;
+// W8A8 4096x4096 M=16 0.962-0.989 / 0.898-0.921, M=48 1.62-1.69 / 1.56-1.66, 11008x4096 M=16 2.42-2.51 / 2.17-2.26.
 #ifndef HF_PFF
 #define HF_PFF 32768
 #endif
@@ -157,7 +162,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
           _mm_prefetch((const char*)B + HF_PF8 + 64, _MM_HINT_T0);
           _mm_prefetch((const char*)B + HF_PF8 + 128, _MM_HINT_T0);
           _mm_prefetch((const char*)B + HF_PF8 + 192, _MM_HINT_T0);
-          for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
+          if (!a.pfn) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
         }
         prefetch_share(pf, pfe);
         const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
@@ -175,7 +180,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
         _mm_prefetch((const char*)B + HF_PF + 64, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
         _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
-        for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
+        if (!a.pfn) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
         prefetch_share(pf, pfe);
         HF_OTF_JP(0, 1)
         // the second pair re-reads the activation quads: broadcasts from memory (load ports only), not from GPRs
