@@ -365,10 +365,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cold {a.cold_mib} MiB, group {a.group_size}")
     if not a.model_only:
         res = bench_shapes(shapes, ms, usable, a.group_size, a.cold_mib, a.min_time, a.min_runs, a.rounds)
-        print()
-        print(table(res, shapes, ms, [c.name for c in usable]))
         names = [c.name for c in usable]
-        if any(nm.startswith(("ours_w", "zt_")) for nm in names):   # int8 / zentorch contenders: their ratios
+        int8 = any(nm.startswith(("ours_w", "zt_")) for nm in names)  # int8 / zentorch contenders: their own ratios
+        if not int8 or any(nm in ("int4pack", "ours_int4", "ours_nvfp4") for nm in names):
+            print()
+            print(table(res, shapes, ms, names))
+        if int8:
             from .bench_int8 import table as int8_table
             print()
             print(int8_table(res, shapes, ms, names))

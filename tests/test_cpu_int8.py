@@ -435,3 +435,16 @@ def test_bench_vnni_contenders_match_the_default():
             assert "AMX" in why, why
             continue
         assert torch.equal(vnni.run(vnni.prepare(w, 128), x), base.run(base.prepare(w, 128), x)), vnni.name
+
+
+def test_bench_int8_prints_only_its_table(capsys):
+    # int8 contenders alone: only the int8 table (the W4A16 table would be all dashes); with a W4A16 contender: both
+    from hf_w4 import bench_int8
+    fast = ["--shapes", "256x128", "--m", "1", "--cold-mib", "1", "--min-time", "0.001", "--min-runs", "1",
+            "--rounds", "1", "--threads", str(torch.get_num_threads())]  # the suite's thread count stays
+    assert bench_int8.main(fast + ["--contenders", "bf16,ours_w8a8"]) == 0
+    out = capsys.readouterr().out
+    assert "w8a8 vs bf16" in out and "int4 vs int4pack" not in out and "ours_w8a8 ms" in out
+    assert bench_int8.main(fast + ["--contenders", "bf16,ours_int4,ours_w4a8"]) == 0
+    out = capsys.readouterr().out
+    assert "w4a8 vs bf16" in out and "int4 vs bf16" in out
