@@ -137,6 +137,15 @@ HF_T512I __m512i bcast4(const int8_t* p) {
 // 0.599-0.613, M=48 1.39-1.48 / 1.31-1.34, 11008x4096 M=16 1.69-1.74 / 1.56-1.62; W8A8 4096x4096 M=16 0.82-0.84 /
 // 0.79-0.80, M=32 1.22-1.23 / 1.04-1.05, M=48 1.49-1.51 / 1.30-1.32; M=64 and 256 level. 4 lines per step: M=16
 // 0.72-0.74; a line every other step: 0.70-0.72.
+// the software prefetch of one 256-byte step of a weight stream at src: its 4 lines `near` bytes ahead into L1 and,
+// with far > 0, `far` bytes ahead into L2 (no ISA attribute: the AMX conversion uses it too)
+__attribute__((always_inline)) inline void prefetch_weights(const void* src, int64_t near, int64_t far) {
+  const char* c = static_cast<const char*>(src);
+  for (int j = 0; j < 4; ++j) _mm_prefetch(c + near + 64 * j, _MM_HINT_T0);
+  if (far > 0)
+    for (int j = 0; j < 4; ++j) _mm_prefetch(c + far + 64 * j, _MM_HINT_T1);
+}
+
 HF_T512I void prefetch_share(const char*& pf, const char* pfe) {
   if (pf < pfe) {
     _mm_prefetch(pf, _MM_HINT_T1);
@@ -167,11 +176,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
 #pragma GCC unroll 2
       for (int64_t q = 0; q < nq; ++q) {
         if (a.stream) {  // one row tile: the weight streams from memory, keep several KiB in flight
-          _mm_prefetch((const char*)B + HF_PF8, _MM_HINT_T0);
-          _mm_prefetch((const char*)B + HF_PF8 + 64, _MM_HINT_T0);
-          _mm_prefetch((const char*)B + HF_PF8 + 128, _MM_HINT_T0);
-          _mm_prefetch((const char*)B + HF_PF8 + 192, _MM_HINT_T0);
-          if (!a.pfn) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + 2 * HF_PFF + 64 * j, _MM_HINT_T1);
+          prefetch_weights(B, HF_PF8, a.pfn ? 0 : 2 * HF_PFF);
         }
         prefetch_share(pf, pfe);
         const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
@@ -185,11 +190,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
       uint8_t* D = a.dec ? a.dec + (gs0 - a.kb0) * NR : nullptr;
       const int64_t nq2 = (gs1 - gs0) / 8;
       for (int64_t q2 = 0; q2 < nq2; ++q2) {
-        _mm_prefetch((const char*)B + HF_PF, _MM_HINT_T0);
-        _mm_prefetch((const char*)B + HF_PF + 64, _MM_HINT_T0);
-        _mm_prefetch((const char*)B + HF_PF + 128, _MM_HINT_T0);
-        _mm_prefetch((const char*)B + HF_PF + 192, _MM_HINT_T0);
-        if (!a.pfn) for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)B + HF_PFF + 64 * j, _MM_HINT_T1);
+        prefetch_weights(B, HF_PF, a.pfn ? 0 : HF_PFF);
         prefetch_share(pf, pfe);
         HF_OTF_JP(0, 1)
         // the second pair re-reads the activation quads: broadcasts from memory (load ports only), not from GPRs
@@ -247,7 +248,7 @@ struct T512 {
   HF_T512 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int64_t q2 = 0; q2 < nq2; ++q2) {
-      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + q2 * 256 + HF_PF + 64 * j, _MM_HINT_T0);
+      prefetch_weights(src + q2 * 256, HF_PF, 0);
       for (int j = 0; j < 4; ++j) {
         const __m512i raw = _mm512_loadu_si512(src + q2 * 256 + 64 * j);
         _mm512_storeu_si512(dst + q2 * 512 + 64 * j, _mm512_and_si512(raw, mask));
@@ -520,8 +521,7 @@ HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bo
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
       const uint8_t* src = Bp + q * 256;
-      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+      prefetch_weights(src, HF_PF, far);
       int8_t* d = dst + ((q - q0) >> 4) * 4096 + ((q - q0) & 15) * 64;
       for (int j = 0; j < 4; ++j) _mm512_store_si512(d + j * 1024, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * j), flip));
     }
@@ -548,8 +548,7 @@ HF_TAMX void amx_convert(const Plan& p, const uint8_t* Bp, const int32_t* Zp, bo
       }
     }
     const uint8_t* src = Bp + q2 * 256;
-    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + HF_PF + 64 * j, _MM_HINT_T0);
-    for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)src + far + 64 * j, _MM_HINT_T1);
+    prefetch_weights(src, HF_PF, far);
     const int64_t ql = 2 * q2 - q0;  // even: quads ql, ql + 1 share a k tile
     int8_t* d = dst + (ql >> 4) * 4096 + (ql & 15) * 64;
 #define HF_CVT4(J)                                                                                  \
