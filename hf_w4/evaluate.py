@@ -14,7 +14,8 @@ Perplexity method (fixed, so numbers are comparable between formats and runs):
 Data parallel: under ``accelerate launch`` (or any initialized ``torch.distributed`` group) the windows are
 dealt round-robin to the ranks, per-window sums are combined with an all-reduce over a zero-filled
 per-window vector (adding exact zeros), and the totals are summed in window order on every rank; the result
-is the same as the single-process run.
+is the same as the single-process run (bit for bit once ``HF_W4_LARGE_PATH`` fixes cpu_w4a16's large-M path, which
+each process otherwise times for itself; see README).
 """
 from __future__ import annotations
 

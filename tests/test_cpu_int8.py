@@ -269,7 +269,7 @@ def test_quant_act_fuzz_bit_exact(isa):
 
 def test_auto_isa_and_env_cap(monkeypatch):
     best = torch.ops.hf_w4.int8_isa("")
-    assert best in ALL_ISAS
+    assert best in ("generic", "avx2", "avxvnni", "avx512")   # the names reported ("avx2": AVX2, no VNNI)
     monkeypatch.setenv("HF_W4_ISA", "generic")
     assert torch.ops.hf_w4.int8_isa("") == "generic"
     monkeypatch.setenv("HF_W4_ISA", "avx512")

@@ -1,5 +1,7 @@
 """zentorch kernels: AMD's ZenDNN plugin for PyTorch (``pip install zentorch==2.13.0.2`` for torch 2.13), used
-only when ``zentorch`` imports and the CPU is an AMD Zen (``/proc/cpuinfo`` vendor AuthenticAMD, family >= 0x17).
+only when ``zentorch`` imports, the CPU is an AMD Zen (``/proc/cpuinfo`` vendor AuthenticAMD, family >= 0x17) and it
+has AVX-512 (F/BW/VL/DQ, x86-64-v4: Zen 4 and later). On an AVX2-only Zen 3 (EPYC Milan) zentorch 2.13.0.2 imports,
+then ``zentorch_dynamic_qlinear`` dies of SIGILL and ``zentorch_woq_linear`` returns wrong results.
 
 Two kernel classes, because the two zentorch ops rank differently against hf_w4's own kernels
 (``python -m hf_w4.bench_int8``; the table is in the report of the issue):
@@ -43,22 +45,32 @@ _ZENDNN_SAFE_ENV = ("ZENDNNL_MATMUL_WEIGHT_CACHE", "ZENDNNL_ZP_COMP_CACHE")
 
 
 @functools.lru_cache(maxsize=None)
-def _amd_zen() -> Optional[str]:
-    """None when this is an AMD Zen CPU, else the reason it is not."""
+def _cpuinfo() -> dict:
+    """The first CPU's ``/proc/cpuinfo`` fields (empty with an ``error`` key when it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
     except OSError as e:
-        return f"cannot read /proc/cpuinfo ({e})"
-    vendor = family = None
+        return {"error": f"cannot read /proc/cpuinfo ({e})"}
+    out = {}
     for line in info.splitlines():
-        if line.startswith("vendor_id") and vendor is None:
-            vendor = line.split(":", 1)[1].strip()
-        elif line.startswith("cpu family") and family is None:
-            try:
-                family = int(line.split(":", 1)[1].strip())
-            except ValueError:
-                family = None
+        key, sep, val = line.partition(":")
+        if sep:
+            out.setdefault(key.strip(), val.strip())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _amd_zen() -> Optional[str]:
+    """None when this is an AMD Zen CPU, else the reason it is not."""
+    info = _cpuinfo()
+    if "error" in info:
+        return info["error"]
+    vendor = info.get("vendor_id")
+    try:
+        family = int(info.get("cpu family", ""))
+    except ValueError:
+        family = None
     if vendor != "AuthenticAMD":
         return f"CPU vendor is {vendor or 'unknown'}, not AuthenticAMD (zentorch targets AMD Zen)"
     if family is None or family < 0x17:
@@ -66,10 +78,32 @@ def _amd_zen() -> Optional[str]:
     return None
 
 
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+@functools.lru_cache(maxsize=None)
+def _avx512() -> Optional[str]:
+    """None when the CPU has the AVX-512 subsets ZenDNN's kernels execute, else the reason."""
+    info = _cpuinfo()
+    if "error" in info:
+        return info["error"]
+    missing = [f for f in _AVX512 if f not in info.get("flags", "").split()]
+    if missing:
+        return (f"this CPU lacks {'/'.join(missing)} (zentorch needs AVX-512: Zen 4 or later; on an AVX2-only "
+                "CPU its int8 op dies of SIGILL and its int4 op returns wrong results)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def zentorch_runnable() -> str:
+    """'' when zentorch's ops can run on this CPU (AVX-512, zentorch importable), whatever the vendor, else why not."""
+    return _avx512() or zentorch_import_status()
+
+
 @functools.lru_cache(maxsize=None)
 def zentorch_status() -> str:
-    """'' when the zentorch kernels may be selected here (AMD Zen CPU and zentorch importable), else why not."""
-    return _amd_zen() or zentorch_import_status()
+    """'' when the zentorch kernels may be selected here (AMD Zen with AVX-512, zentorch importable), else why not."""
+    return _amd_zen() or zentorch_runnable()
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +144,7 @@ def _signed_int4(qw: layouts.QWeight) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ prepare/run
 def _require_zentorch() -> None:
-    why = zentorch_import_status()
+    why = zentorch_runnable()
     if why:
         raise RuntimeError(why)
 
