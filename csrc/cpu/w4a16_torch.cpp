@@ -184,6 +184,7 @@ int64_t amx_min_m(const W4Gemm& g) {
 // ByteLutDecode's 9 uops per 2 k-pairs in about 16 cycles - the vector ports, not the epilogue, bound it.)
 int64_t i16_block(CpuIsa isa, const W4Gemm& g, int64_t M) {
   if (g.mode == W4_NVFP4) {
+    if (isa == CpuIsa::avx2) return g.K % 128 == 0 ? 128 : g.K % 64 == 0 ? 64 : g.K % 32 == 0 ? 32 : 16;
     if (isa != CpuIsa::avx512 || !w4a16_i16_nvfp4_folded(M)) return 16;
     return g.K % 128 == 0 ? 128 : g.K % 64 == 0 ? 64 : g.K % 32 == 0 ? 32 : 16;  // 16: nothing to fold
   }
