@@ -391,6 +391,29 @@ def test_int16_path_activation_blocks(isa, k, gs):
 
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
+@pytest.mark.parametrize("layout,k,gs,sym", [("gptq", 512, 128, True), ("awq", 360, -1, False),
+                                             ("ct_pack", 1000, 40, False), ("ct_nvfp4", 96, 16, True),
+                                             ("modelopt_nvfp4", 640, 16, True)])
+def test_int16_path_many_rows(isa, layout, k, gs, sym):
+    """Several rows on the int16 path (AVX2: weights decoded once per chunk of up to 64 k-pairs into a buffer that
+    tiles of two rows read, up to 24 rows per pass): odd row counts, more than one pass (25, 49), a channel-wise
+    block of 180 k-pairs (chunks of 64, 64, 52), a partial last panel (N = 72), with bias."""
+    n = 72
+    spec, qw = make_qweight(layout, n, k, gs, sym=sym, seed=k + n)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for M in (2, 3, 24, 25, 49):
+        x = torch.randn(M, k, generator=gen) * torch.logspace(-2, 2, M)[:, None]
+        x = x.to(torch.bfloat16)
+        y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
+                               global_scale=qw.global_scale or 1.0, isa=isa, path=3)
+        check(y, x, W, bias, False, f"{isa} {layout} K={k} M={M}",
+              i16_group="nvfp4" if qw.weight_type == "nvfp4" else _group(qw, k))
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("k", [80, 96, 640])
 def test_int16_path_nvfp4_shapes(isa, k):
     """NVFP4 on the int16 path for K that is an odd (80), even (96) and large (640) number of 16-k blocks, rows of
