@@ -95,7 +95,10 @@ class _NoAmx:
         if not ok:
             return ok, why
         from . import _ext
-        if "amx_int8" not in _ext.cpu_flags():
+        flags = _ext.cpu_flags()
+        if "avx512_vnni" not in flags:
+            return False, "no AVX-512 VNNI on this CPU: the default contender runs the best path it has"
+        if "amx_int8" not in flags:
             return False, "no AMX on this CPU: the default contender already runs the AVX-512 VNNI path"
         return True, ""
 

@@ -363,11 +363,20 @@ inline void tile_i16<2>(const int16_t* wb, int64_t np, const int16_t* x, int64_t
   "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",   \
       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
 static_assert(kW4PrefetchBytes == 8192, "the prefetch distance is written in the assembly below");
+// NVFP4: the k-pair at qp (32 bytes) -> weights x 512 in ymm10, 11, 8, 9 (as nvfp4_pair_i16; LUT in ymm15)
+#define HF_W4_NVFP4_DECODE                                                                      \
+  "vmovdqu (%[qp]), %%ymm8\n\tvpsrlw $4, %%ymm8, %%ymm9\n\t"                                          \
+  "vpand %[nib], %%ymm8, %%ymm8\n\tvpand %[nib], %%ymm9, %%ymm9\n\t"                                 \
+  "vpshufb %%ymm8, %%ymm15, %%ymm8\n\tvpshufb %%ymm9, %%ymm15, %%ymm9\n\t"                           \
+  "vpxor %%xmm14, %%xmm14, %%xmm14\n\t"                                                           \
+  "vpunpcklbw %%ymm8, %%ymm14, %%ymm10\n\tvpunpckhbw %%ymm8, %%ymm14, %%ymm11\n\t"                   \
+  "vpunpcklbw %%ymm9, %%ymm14, %%ymm8\n\tvpunpckhbw %%ymm9, %%ymm14, %%ymm9\n\t"
+alignas(32) const uint8_t kNibbleMask[32] = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
+                                             15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
 
 // int4: np k-pairs; the two rows' int32 sums added into acc [2][32] (lanes in the order of panel_row_i16's a[t])
 inline void tile2_decode_int4(const uint8_t* qq, int64_t np, int16_t* wb, int64_t st, const int16_t* x,
                               int64_t ldx, int32_t* acc) {
-  alignas(32) static const int16_t kNib[16] = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
   if (np <= 0) return;
   const uint8_t* end = qq + np * W4_NP;
   const int64_t ldb = 2 * ldx;  // bytes
@@ -387,7 +396,7 @@ inline void tile2_decode_int4(const uint8_t* qq, int64_t np, int16_t* wb, int64_
       HF_W4_ACC(4, 128) HF_W4_ACC(5, 160) HF_W4_ACC(6, 192) HF_W4_ACC(7, 224)
       : [qp] "+r"(qq), [xa] "+r"(x), [wb] "+r"(wb)
       : [end] "r"(end), [ldb] "r"(ldb), [acc] "r"(acc), [st] "r"(st),
-        [nib] "m"(*reinterpret_cast<const __m256i*>(kNib))
+        [nib] "m"(kNibbleMask)
       : HF_W4_CLOBBERS);
 #undef HF_W4_ACC
 }
@@ -396,8 +405,6 @@ inline void tile2_decode_int4(const uint8_t* qq, int64_t np, int16_t* wb, int64_
 // panel_row_i16_nvfp4)
 inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int64_t st, const int16_t* x,
                                int64_t ldx, int32_t* acc) {
-  alignas(32) static const uint8_t kNib8[32] = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
-                                                15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
   if (nsub <= 0) return;
   const uint8_t* end = qq + nsub * 8 * W4_NP;
   const int64_t ldb = 2 * ldx;  // bytes
@@ -410,13 +417,7 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int
       "lea 256(%[qp]), %%rax\n\t"
       "1:\n\t"
       "prefetcht0 8192(%[qp])\n\t"
-      "vmovdqu (%[qp]), %%ymm8\n\t"
-      "vpsrlw $4, %%ymm8, %%ymm9\n\t"
-      "vpand %[nib], %%ymm8, %%ymm8\n\tvpand %[nib], %%ymm9, %%ymm9\n\t"
-      "vpshufb %%ymm8, %%ymm15, %%ymm8\n\tvpshufb %%ymm9, %%ymm15, %%ymm9\n\t"
-      "vpxor %%xmm14, %%xmm14, %%xmm14\n\t"
-      "vpunpcklbw %%ymm8, %%ymm14, %%ymm10\n\tvpunpckhbw %%ymm8, %%ymm14, %%ymm11\n\t"
-      "vpunpcklbw %%ymm9, %%ymm14, %%ymm8\n\tvpunpckhbw %%ymm9, %%ymm14, %%ymm9\n\t"
+      HF_W4_NVFP4_DECODE
       HF_W4_DP2(10, 11, 8, 9)
       HF_W4_STORE_W(10, 11, 8, 9)
       "add $32, %[qp]\n\tadd $4, %[xa]\n\tcmp %%rax, %[qp]\n\tjne 1b\n\t"
@@ -426,7 +427,7 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int
       "cmp %[end], %[qp]\n\tjne 3b\n\t"
       : [qp] "+r"(qq), [xa] "+r"(x), [wb] "+r"(wb), [acc] "+r"(acc)
       : [end] "r"(end), [ldb] "r"(ldb), [st] "r"(st), [lut] "m"(lut),
-        [nib] "m"(*reinterpret_cast<const __m256i*>(kNib8))
+        [nib] "m"(kNibbleMask)
       : "rax", HF_W4_CLOBBERS);
 #undef HF_W4_PUT
 }
@@ -434,27 +435,18 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int
 // the 8 k-pairs, re-associated the sums into a tree and kept the products on the stack (Zen 3, 1 thread, hot,
 // 4096x4096: 0.68 ms against int4's 0.40).
 inline void tile1_decode_nvfp4(const uint8_t* qq, int64_t nsub, const int16_t* x, int32_t* acc) {
-  alignas(32) static const uint8_t kNib8[32] = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
-                                                15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
   if (nsub <= 0) return;
   const uint8_t* end = qq + nsub * 8 * W4_NP;
   const __m256i lut = nvfp4_lut_i16();
   __asm__ volatile(
       "vmovdqu %[lut], %%ymm15\n\t"
-      "vmovdqa %[nib], %%ymm13\n\t"
       "3:\n\t"
       "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\t"
       "vpxor %%xmm2, %%xmm2, %%xmm2\n\tvpxor %%xmm3, %%xmm3, %%xmm3\n\t"
       "lea 256(%[qp]), %%rax\n\t"
       "1:\n\t"
       "prefetcht0 8192(%[qp])\n\t"
-      "vmovdqu (%[qp]), %%ymm8\n\t"
-      "vpsrlw $4, %%ymm8, %%ymm9\n\t"
-      "vpand %%ymm13, %%ymm8, %%ymm8\n\tvpand %%ymm13, %%ymm9, %%ymm9\n\t"
-      "vpshufb %%ymm8, %%ymm15, %%ymm8\n\tvpshufb %%ymm9, %%ymm15, %%ymm9\n\t"
-      "vpxor %%xmm14, %%xmm14, %%xmm14\n\t"
-      "vpunpcklbw %%ymm8, %%ymm14, %%ymm10\n\tvpunpckhbw %%ymm8, %%ymm14, %%ymm11\n\t"
-      "vpunpcklbw %%ymm9, %%ymm14, %%ymm8\n\tvpunpckhbw %%ymm9, %%ymm14, %%ymm9\n\t"
+      HF_W4_NVFP4_DECODE
       "vpbroadcastd (%[xa]), %%ymm12\n\t"
       HF_W4_DP(10, 12, 0) HF_W4_DP(11, 12, 1) HF_W4_DP(8, 12, 2) HF_W4_DP(9, 12, 3)
       "add $32, %[qp]\n\tadd $4, %[xa]\n\tcmp %%rax, %[qp]\n\tjne 1b\n\t"
@@ -463,9 +455,10 @@ inline void tile1_decode_nvfp4(const uint8_t* qq, int64_t nsub, const int16_t* x
       "add $128, %[acc]\n\t"
       "cmp %[end], %[qp]\n\tjne 3b\n\t"
       : [qp] "+r"(qq), [xa] "+r"(x), [acc] "+r"(acc)
-      : [end] "r"(end), [lut] "m"(lut), [nib] "m"(*reinterpret_cast<const __m256i*>(kNib8))
+      : [end] "r"(end), [lut] "m"(lut), [nib] "m"(kNibbleMask)
       : "rax", HF_W4_CLOBBERS);
 }
+#undef HF_W4_NVFP4_DECODE
 #undef HF_W4_CLOBBERS
 #undef HF_W4_STORE_W
 #undef HF_W4_DP2
