@@ -170,6 +170,28 @@ def test_fuzz_random_shapes(seed):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("gs", [-1, 128, 32])
+def test_int4_extreme_codes(isa, gs):
+    # code 15 in every weight of half the columns against activations quantized to -128 / 127 everywhere: the
+    # largest pair sums (2 x 15 x 128) the AVX2 path without VNNI accumulates in int16 lanes (8 quads before it
+    # widens); one quad too many would wrap and be far off. M = 9 takes the decoded-buffer tiles, M = 3 the
+    # on-the-fly ones.
+    n, k = 64, 2048
+    G = 1 if gs == -1 else k // gs
+    spec = W4Spec("gptq", "gptq", "int4", 4, gs, True, act="int8_token")
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(5))
+    codes[: n // 2] = 15
+    t = layouts.pack(spec, codes, torch.full((n, G), 0.01))
+    qw = layouts.to_qweight(spec, t, n, k)
+    signs = torch.ones(k)
+    signs[1::2] = -1
+    for M in (3, 9):
+        x = torch.stack([-torch.ones(k), torch.ones(k), signs] * 3)[:M].bfloat16()
+        check(run_kernel(qw, x, "int8_token", isa), reference(qw, x, "int8_token"), torch.bfloat16,
+              f"extreme codes g={gs} M={M} {isa}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_large_m_blocks_and_3d_input(isa):
     # several row chunks and K blocks; a 3-D input [B, S, K]
     spec, qw = make_qweight("gptq", 128, 1024, 128, False, False, seed=3)

@@ -1,5 +1,6 @@
-// hf_w4 int8 kernel: AVX2 path, with AVX-VNNI (vpdpbusd on ymm) when present, else an exact
-// vpmaddwd emulation of vpdpbusd. No torch headers; target attributes per function.
+// hf_w4 int8 kernel: AVX2 path, with AVX-VNNI (vpdpbusd on ymm) when present, else exact emulations of
+// vpdpbusd: vpmaddubsw with int16 accumulation for 4-bit weights, vpmaddwd for int8 weights. No torch headers;
+// target attributes per function.
 #include "int8_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -166,9 +167,102 @@ HF2_TILE(tile_vnni, HF_TVNNI)
 HF2_TILE(tile_plain, HF_TAVX2)
 #undef DPF
 
+// 4-bit weights without VNNI: codes u8 0..15 x activations s8 by vpmaddubsw (a pair sums to at most 2 x 15 x 128 =
+// 3840, so no saturation), the int16 pair sums accumulated over 8 quads (at most 30720 < 32767), then widened by
+// vpmaddwd with ones: ~2.25 vector ops per 32 products and row where dp_emul takes ~4 (its widening of both operands).
+// Exact: the same integers as vpdpbusd, so the same results bit for bit.
+constexpr int kNibQuads = 8;  // quads per int16 accumulation (the bound above)
+
+template <int MR>
+HF_TAVX2I void nib_quad(const __m256i (&b)[4], const int8_t* AQ, __m256i (&s)[MR][4]) {
+  for (int r = 0; r < MR; ++r) {
+    const __m256i ar = bcast4(AQ + r * 4);
+    for (int j = 0; j < 4; ++j) s[r][j] = _mm256_add_epi16(s[r][j], _mm256_maddubs_epi16(b[j], ar));
+  }
+}
+
+template <int MR>
+HF_TAVX2I void nib_flush(__m256i (&s)[MR][4], __m256i (&c)[MR][4]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) {
+      c[r][j] = _mm256_add_epi32(c[r][j], _mm256_madd_epi16(s[r][j], ones));
+      s[r][j] = _mm256_setzero_si256();
+    }
+}
+
+HF_TAVX2I void prefetch4(const uint8_t* p) {
+  for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)p + 2048 + 64 * i, _MM_HINT_T0);
+}
+
+template <int MR, bool OTF>
+HF_TAVX2 __attribute__((noinline)) void tile_nib(const TileArgs& a) {
+  const int64_t Gp = a.Gp;
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  alignas(64) int32_t accm[MR * NR];
+  for (int64_t g = a.s0 / Gp; g * Gp < a.s1; ++g) {
+    const int64_t gs0 = g * Gp > a.s0 ? g * Gp : a.s0;
+    const int64_t gs1 = (g + 1) * Gp < a.s1 ? (g + 1) * Gp : a.s1;
+    const bool load_ci = gs0 % Gp != 0, store_ci = gs1 % Gp != 0;
+    int32_t* dst = store_ci ? a.ci : accm;
+    for (int h = 0; h < 2; ++h) {
+      __m256i c[MR][4], s[MR][4];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 4; ++j) {
+          c[r][j] = load_ci ? _mm256_loadu_si256((const __m256i*)(a.ci + r * NR + 32 * h + 8 * j))
+                            : _mm256_setzero_si256();
+          s[r][j] = _mm256_setzero_si256();
+        }
+      const int8_t* A = a.a + (gs0 / 4) * MRA * 4;
+      const bool pf = a.stream && h == 0;  // the first half pulls the weights from memory
+      const int64_t nq = (gs1 - gs0) / 4;  // even: Gp and block bounds are multiples of 8
+      if constexpr (!OTF) {
+        const uint8_t* B = a.b + (gs0 - a.kb0) * NR + 128 * h;
+        for (int64_t q = 0; q < nq; q += kNibQuads) {
+          const int64_t qe = q + kNibQuads < nq ? q + kNibQuads : nq;
+          for (int64_t i = q; i < qe; ++i) {
+            if (pf) prefetch4(B);
+            const __m256i b[4] = {_mm256_loadu_si256((const __m256i*)B), _mm256_loadu_si256((const __m256i*)(B + 32)),
+                                  _mm256_loadu_si256((const __m256i*)(B + 64)),
+                                  _mm256_loadu_si256((const __m256i*)(B + 96))};
+            nib_quad<MR>(b, A, s);
+            A += MRA * 4;
+            B += 256;
+          }
+          nib_flush<MR>(s, c);
+        }
+      } else {  // quad pairs: the low nibbles are quad 2i, the high nibbles quad 2i + 1
+        const uint8_t* B = a.b + (gs0 - a.kb0) * (NR / 2) + 128 * h;
+        for (int64_t q = 0; q < nq; q += kNibQuads) {
+          const int64_t qe = q + kNibQuads < nq ? q + kNibQuads : nq;
+          for (int64_t i = q; i < qe; i += 2) {
+            if (pf) prefetch4(B);
+            __m256i raw[4], b[4];
+            for (int j = 0; j < 4; ++j) {
+              raw[j] = _mm256_loadu_si256((const __m256i*)(B + 32 * j));
+              b[j] = _mm256_and_si256(raw[j], mask);
+            }
+            nib_quad<MR>(b, A, s);
+            for (int j = 0; j < 4; ++j) b[j] = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), mask);
+            nib_quad<MR>(b, A + MRA * 4, s);
+            A += 2 * MRA * 4;
+            B += 256;
+          }
+          nib_flush<MR>(s, c);
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 4; ++j) _mm256_storeu_si256((__m256i*)(dst + r * NR + 32 * h + 8 * j), c[r][j]);
+    }
+    if (store_ci) continue;
+    epilogue_avx2<MR>(a, g, accm);
+  }
+}
+
 template <int MR, bool OTF, bool VNNI>
 inline void tile_avx2(const TileArgs& a) {
   if constexpr (VNNI) tile_vnni<MR, OTF>(a);
+  else if (a.w4) tile_nib<MR, OTF>(a);
   else tile_plain<MR, OTF>(a);
 }
 

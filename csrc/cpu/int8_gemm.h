@@ -101,6 +101,7 @@ struct TileArgs {
   const uint8_t* b;      // weight block base (packed k = kb0)
   int64_t kb0;
   bool otf;              // b holds nibble pairs (int4, decoded on the fly) rather than u8 quads
+  bool w4;               // the weights are 4-bit codes (0..15), whether packed in pairs or decoded
   int64_t s0, s1;        // packed-k range to process
   int64_t Gp, G;
   const float* scales;   // panel [G][64]
@@ -196,7 +197,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
           TileArgs a;
           const int64_t m = m0 + t * MRA + r0;
           a.a = At + r0 * 4;
-          a.b = Bb; a.kb0 = k0; a.otf = otf; a.s0 = k0; a.s1 = k1; a.Gp = Gp; a.G = G;
+          a.b = Bb; a.kb0 = k0; a.otf = otf; a.w4 = g.wtype == W_INT4; a.s0 = k0; a.s1 = k1; a.Gp = Gp; a.G = G;
           a.dec = nullptr;
           if (fuse && t == 0 && r0 == 0) {  // the first tile decodes the block on the fly into the buffer
             a.b = Bp + k0 * (NR / 2);

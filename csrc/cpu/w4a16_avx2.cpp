@@ -482,21 +482,33 @@ inline void tile_i16_int4(const int16_t* wb, int64_t np, const int16_t* x, int64
   add_i32<MR>(a, acc);
 }
 
-// NVFP4: MR rows over nsub 16-k blocks; f [MR][32] (permuted columns) += (int32 dot) x block scale x xs[m]
+// f [MR][32] += v x xs[m * xs_step] (row m)
+template <int MR>
+inline void nvfp4_add_rows(const __m256 (&v)[MR][4], const float* xs, int64_t xs_step, float* f) {
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xsv = _mm256_set1_ps(xs[m * xs_step]);
+    for (int t = 0; t < 4; ++t) {
+      float* d = f + m * W4_NP + 8 * t;
+      _mm256_store_ps(d, _mm256_fmadd_ps(v[m][t], xsv, _mm256_load_ps(d)));
+    }
+  }
+}
+
+// NVFP4: MR rows over nsub 16-k blocks of one activation block; f [MR][32] (permuted columns) += xs[m] x (sum over
+// the blocks of int32 dot x block scale): the activation scale once per chunk, not per 16-k block
 template <int MR>
 inline void tile_i16_nvfp4(const int16_t* wb, int64_t nsub, const __m256 (*sc)[4], const int16_t* x, int64_t ldx,
                            const float* xs, int64_t xs_step, float* f) {
+  __m256 v[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) v[m][t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsub; ++s) {
     __m256i a[MR][4];
     tile_i16<MR>(wb + 8 * 64 * s, 8, x + 16 * s, ldx, a);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xsv = _mm256_set1_ps(xs[m * xs_step]);
-      for (int t = 0; t < 4; ++t) {
-        float* d = f + m * W4_NP + 8 * t;
-        _mm256_store_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][t]), _mm256_mul_ps(sc[s][t], xsv), _mm256_load_ps(d)));
-      }
-    }
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < 4; ++t) v[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][t]), sc[s][t], v[m][t]);
   }
+  nvfp4_add_rows<MR>(v, xs, xs_step, f);
 }
 
 // one row (see above): per activation block, the int32 sums of its 16-k blocks, then f = sum of (sum x block
@@ -552,16 +564,16 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
           const int16_t* x = xq + r0 * K + 2 * kp;
           if constexpr (MODE == W4_NVFP4) {
             tile2_decode_nvfp4(q + kp * W4_NP, np / 8, wb, rows > 2, x, K, iacc);
-            for (int64_t m = 0; m < 2; ++m) {
-              const __m256 xsv = _mm256_set1_ps(xs[(r0 + m) * nab + b]);
-              for (int64_t s = 0; s < np / 8; ++s)
+            __m256 v[2][4];
+            for (int m = 0; m < 2; ++m)
+              for (int t = 0; t < 4; ++t) v[m][t] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < np / 8; ++s)
+              for (int m = 0; m < 2; ++m)
                 for (int t = 0; t < 4; ++t) {
                   const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(iacc + 64 * s + 32 * m + 8 * t));
-                  float* d = facc + m * W4_NP + 8 * t;
-                  _mm256_store_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(scv[s][t], xsv),
-                                                     _mm256_load_ps(d)));
+                  v[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scv[s][t], v[m][t]);
                 }
-            }
+            nvfp4_add_rows<2>(v, xs + r0 * nab + b, nab, facc);
           } else {
             tile2_decode_int4(q + kp * W4_NP, np, wb, rows > 2, x, K, iacc);
           }
