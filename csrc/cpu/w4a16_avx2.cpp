@@ -264,6 +264,64 @@ inline void nvfp4_store_cols(const float* f, float* res) {
 constexpr int64_t kI16Rows = 24;        // rows per pass over a panel: the decode is repeated once per pass
 constexpr int64_t kI16ChunkPairs = 64;  // k-pairs decoded at a time: 8 KiB of int16 weights
 
+// From 4 rows of a pass: the fold costs ~0.3 decodes per chunk. Zen 3, 2 threads, cold, NVFP4 / int4 time, three
+// interleaved runs, per-16-k conversion -> folded: 4096x4096 M=3 1.15-1.47 -> 1.34-1.37, M=4 1.28-1.33 -> 1.30-1.31
+// (one 1.68), M=8 1.21-1.35 -> 1.19-1.25, M=16 1.04-1.36 -> 1.10-1.23, M=64 1.01-1.20 -> 1.00-1.10, M=256 1.14-1.30 ->
+// 0.88-1.04; 11008x4096 M=8 1.21-1.22 -> 1.11-1.16, M=16 1.18-1.36 -> 0.94-1.15, M=64 1.20-1.25 -> 1.04-1.05.
+constexpr int64_t kNvFoldMinRows = 4;
+
+// ---- NVFP4 with the block scales folded into the buffered int16 weights (as the AVX-512 VBMI kernel,
+// w4a16_avx512.cpp): an e4m3 scale is mt * 2^(ee - 10) (mantissa mt 8..15, or 0..7 for the denormals with ee = 1), so
+// where a column's nonzero blocks in the chunk have ee within kNvFoldD of the largest, every weight is exactly the
+// decoded 2w times mt << (ee - eref) (|.| <= 12 * 15 << 4 = 2880) times one column scale 2^(eref - 10) / 2, with
+// eref = max ee - kNvFoldD. The int32 sums then run over the whole chunk (the activation quantizer bounds each 128-k
+// block's sum of |xq| by kNvFoldL1) and convert once per chunk instead of once per 16 k. The multiply is one vpmulhrsw
+// per 16 weights (2w x 256 from the decode, times the multiplier x 128, >> 15 with rounding: exact). A chunk with a
+// wider spread, a negative or nan scale keeps the per-16-k conversion.
+struct NvFoldAvx2 {
+  __m256i mu[kI16ChunkPairs / 8][4];  // [16-k block][accumulator]: multiplier x 128 in both words of each lane
+  __m256 cs[4];                       // per accumulator lane (column): 2^(eref - 10), matching the unfolded scales
+};
+
+inline __m128i bytes8(__m256i v, int t) {  // bytes 8t .. 8t + 7 of v in the low half
+  const __m128i h = t < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  return (t & 1) ? _mm_srli_si128(h, 8) : h;
+}
+
+// the nb <= 8 blocks of 32 scale bytes at sp; false: keep the per-16-k conversion
+inline bool nvfp4_fold(const uint8_t* sp, int64_t nb, NvFoldAvx2& f) {
+  const __m256i perm = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);  // accumulator order, as nvfp4_block_scales
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1), m15 = _mm256_set1_epi8(15);
+  const __m256i c63 = _mm256_set1_epi8(63), c7 = _mm256_set1_epi8(7), c8 = _mm256_set1_epi8(8);
+  __m256i v[kI16ChunkPairs / 8], ee[kI16ChunkPairs / 8], mx = zero, mn = c63, bad = zero;
+  for (int64_t s = 0; s < nb; ++s) {
+    v[s] = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + 32 * s)), perm);
+    // negative (sign bit) or nan (0x7f) scales: not folded
+    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi8(zero, v[s]),
+                                               _mm256_cmpeq_epi8(v[s], _mm256_set1_epi8(0x7f))));
+    const __m256i isz = _mm256_cmpeq_epi8(v[s], zero);
+    ee[s] = _mm256_max_epu8(_mm256_and_si256(_mm256_srli_epi16(v[s], 3), m15), one);
+    mx = _mm256_max_epu8(mx, _mm256_andnot_si256(isz, ee[s]));
+    mn = _mm256_min_epu8(mn, _mm256_or_si256(ee[s], _mm256_and_si256(isz, c63)));
+  }
+  const __m256i wide = _mm256_cmpgt_epi8(_mm256_subs_epu8(mx, mn), _mm256_set1_epi8(kNvFoldD));
+  if (!_mm256_testz_si256(_mm256_or_si256(bad, wide), _mm256_or_si256(bad, wide))) return false;
+  const __m256i eref = _mm256_sub_epi8(mx, _mm256_set1_epi8(kNvFoldD));
+  for (int64_t s = 0; s < nb; ++s) {
+    const __m256i mt = _mm256_or_si256(_mm256_and_si256(v[s], c7), _mm256_and_si256(_mm256_cmpgt_epi8(v[s], c7), c8));
+    const __m256i sh = _mm256_sub_epi8(ee[s], eref);  // 0..kNvFoldD for nonzero blocks (zero blocks: mt = 0)
+    for (int t = 0; t < 4; ++t) {
+      __m256i m = _mm256_sllv_epi32(_mm256_cvtepu8_epi32(bytes8(mt, t)), _mm256_cvtepi8_epi32(bytes8(sh, t)));
+      m = _mm256_slli_epi32(m, 7);
+      f.mu[s][t] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
+    }
+  }
+  for (int t = 0; t < 4; ++t)
+    f.cs[t] = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepi8_epi32(bytes8(eref, t)), _mm256_set1_epi32(117)), 23));
+  return true;
+}
+
 template <int MODE>
 inline void decode_pairs_i16(const uint8_t* qq, int64_t np, int16_t* wb) {
   const __m256i nib16 = _mm256_set1_epi16(15);
@@ -431,6 +489,39 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int
       : "rax", HF_W4_CLOBBERS);
 #undef HF_W4_PUT
 }
+// NVFP4, a folded chunk (nvfp4_fold): as tile2_decode_nvfp4, each decoded weight times its multiplier (mu: [16-k
+// block][4] vectors) before use and store, and one int32 sum per row and column over all nsub blocks, stored to
+// acc [2][32]
+inline void tile2_decode_nvfp4_folded(const uint8_t* qq, int64_t nsub, const __m256i* mu, int16_t* wb, int64_t st,
+                                      const int16_t* x, int64_t ldx, int32_t* acc) {
+  if (nsub <= 0) return;
+  const uint8_t* end = qq + nsub * 8 * W4_NP;
+  const int64_t ldb = 2 * ldx;  // bytes
+  const __m256i lut = nvfp4_lut_i16();
+#define HF_W4_PUT(A, OFF) "vmovdqu %%ymm" #A ", " #OFF "(%[acc])\n\t"
+  __asm__ volatile(
+      "vmovdqu %[lut], %%ymm15\n\t"
+      HF_W4_ZERO8
+      "3:\n\t"
+      "lea 256(%[qp]), %%rax\n\t"
+      "1:\n\t"
+      "prefetcht0 8192(%[qp])\n\t"
+      HF_W4_NVFP4_DECODE
+      "vpmulhrsw (%[mu]), %%ymm10, %%ymm10\n\tvpmulhrsw 32(%[mu]), %%ymm11, %%ymm11\n\t"
+      "vpmulhrsw 64(%[mu]), %%ymm8, %%ymm8\n\tvpmulhrsw 96(%[mu]), %%ymm9, %%ymm9\n\t"
+      HF_W4_DP2(10, 11, 8, 9)
+      HF_W4_STORE_W(10, 11, 8, 9)
+      "add $32, %[qp]\n\tadd $4, %[xa]\n\tcmp %%rax, %[qp]\n\tjne 1b\n\t"
+      "add $128, %[mu]\n\t"
+      "cmp %[end], %[qp]\n\tjne 3b\n\t"
+      HF_W4_PUT(0, 0) HF_W4_PUT(1, 32) HF_W4_PUT(2, 64) HF_W4_PUT(3, 96)
+      HF_W4_PUT(4, 128) HF_W4_PUT(5, 160) HF_W4_PUT(6, 192) HF_W4_PUT(7, 224)
+      : [qp] "+r"(qq), [xa] "+r"(x), [wb] "+r"(wb), [mu] "+r"(mu)
+      : [end] "r"(end), [ldb] "r"(ldb), [st] "r"(st), [lut] "m"(lut), [nib] "m"(kNibbleMask), [acc] "r"(acc)
+      : "rax", HF_W4_CLOBBERS);
+#undef HF_W4_PUT
+}
+
 // NVFP4, one row: nsub 16-k blocks; block s's int32 sums stored to acc + 32 s (sums ymm0-3). In C++, GCC 12 unrolled
 // the 8 k-pairs, re-associated the sums into a tree and kept the products on the stack (Zen 3, 1 thread, hot,
 // 4096x4096: 0.68 ms against int4's 0.40).
@@ -511,6 +602,18 @@ inline void tile_i16_nvfp4(const int16_t* wb, int64_t nsub, const __m256 (*sc)[4
   nvfp4_add_rows<MR>(v, xs, xs_step, f);
 }
 
+// NVFP4, a folded chunk (nvfp4_fold): MR rows' int32 sums over all np k-pairs, converted once
+template <int MR>
+inline void tile_i16_nvfp4_folded(const int16_t* wb, int64_t np, const __m256 (&cs)[4], const int16_t* x, int64_t ldx,
+                                  const float* xs, int64_t xs_step, float* f) {
+  __m256i a[MR][4];
+  tile_i16<MR>(wb, np, x, ldx, a);
+  __m256 v[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) v[m][t] = _mm256_mul_ps(_mm256_cvtepi32_ps(a[m][t]), cs[t]);
+  nvfp4_add_rows<MR>(v, xs, xs_step, f);
+}
+
 // one row (see above): per activation block, the int32 sums of its 16-k blocks, then f = sum of (sum x block
 // scale), o += f x activation scale
 void panel_row_i16_nvfp4(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const float* xs, int64_t ag,
@@ -547,6 +650,7 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
   alignas(32) float facc[kI16Rows * W4_NP];
   alignas(32) int32_t iacc[kI16Rows * W4_NP];
   alignas(32) __m256 scv[kI16ChunkPairs / 8][4];
+  NvFoldAvx2 fold;
   alignas(32) float res[W4_NP];
   const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + p * g.G * W4_NP;
   for (int64_t r0 = 0; r0 < M; r0 += kI16Rows) {
@@ -558,6 +662,25 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
         const int64_t np = std::min(kI16ChunkPairs, pairs - c0), kp = b * pairs + c0;
         int64_t m0 = 0;
         if constexpr (MODE == W4_NVFP4) {
+          if (rows >= kNvFoldMinRows && nvfp4_fold(sp + (kp / 8) * W4_NP, np / 8, fold)) {
+            // the first two rows decode (and store for the others), as below
+            tile2_decode_nvfp4_folded(q + kp * W4_NP, np / 8, &fold.mu[0][0], wb, rows > 2, xq + r0 * K + 2 * kp, K,
+                                      iacc);
+            __m256 v[2][4];
+            for (int m = 0; m < 2; ++m)
+              for (int t = 0; t < 4; ++t)
+                v[m][t] = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(iacc + 32 * m + 8 * t))),
+                    fold.cs[t]);
+            nvfp4_add_rows<2>(v, xs + r0 * nab + b, nab, facc);
+            for (m0 = 2; m0 < rows; m0 += 2) {
+              const int16_t* x = xq + (r0 + m0) * K + 2 * kp;
+              const float* xsr = xs + (r0 + m0) * nab + b;
+              if (rows - m0 >= 2) tile_i16_nvfp4_folded<2>(wb, np, fold.cs, x, K, xsr, nab, facc + m0 * W4_NP);
+              else tile_i16_nvfp4_folded<1>(wb, np, fold.cs, x, K, xsr, nab, facc + m0 * W4_NP);
+            }
+            continue;
+          }
           for (int64_t s = 0; s < np / 8; ++s) nvfp4_block_scales(sp + (kp / 8 + s) * W4_NP, scv[s]);
         }
         if (rows >= 2) {  // the first two rows decode (and store for the others)
