@@ -420,6 +420,11 @@ inline void tile_i16<2>(const int16_t* wb, int64_t np, const int16_t* x, int64_t
 #define HF_W4_CLOBBERS                                                                          \
   "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",   \
       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+// the 8 sums (ymm0-7) stored to acc [2][32]
+#define HF_W4_PUT8                                                                              \
+  "vmovdqu %%ymm0, (%[acc])\n\tvmovdqu %%ymm1, 32(%[acc])\n\tvmovdqu %%ymm2, 64(%[acc])\n\t"           \
+  "vmovdqu %%ymm3, 96(%[acc])\n\tvmovdqu %%ymm4, 128(%[acc])\n\tvmovdqu %%ymm5, 160(%[acc])\n\t"       \
+  "vmovdqu %%ymm6, 192(%[acc])\n\tvmovdqu %%ymm7, 224(%[acc])\n\t"
 static_assert(kW4PrefetchBytes == 8192, "the prefetch distance is written in the assembly below");
 // NVFP4: the k-pair at qp (32 bytes) -> weights x 512 in ymm10, 11, 8, 9 (as nvfp4_pair_i16; LUT in ymm15)
 #define HF_W4_NVFP4_DECODE                                                                      \
@@ -459,15 +464,16 @@ inline void tile2_decode_int4(const uint8_t* qq, int64_t np, int16_t* wb, int64_
 #undef HF_W4_ACC
 }
 
-// NVFP4: nsub 16-k blocks; block s's int32 sums stored to acc + 64 s ([2][32], accumulator order of
-// panel_row_i16_nvfp4)
-inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int64_t st, const int16_t* x,
-                               int64_t ldx, int32_t* acc) {
+// NVFP4: nsub 16-k blocks. mu null: block s's int32 sums stored to acc + 64 s ([2][32], accumulator order of
+// panel_row_i16_nvfp4). A folded chunk (nvfp4_fold; mu: [16-k block][4] multiplier vectors): each decoded weight
+// times its multiplier before use and store, and one int32 sum per row and column over all blocks, stored to acc.
+inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, const __m256i* mu, int16_t* wb, int64_t st,
+                               const int16_t* x, int64_t ldx, int32_t* acc) {
   if (nsub <= 0) return;
   const uint8_t* end = qq + nsub * 8 * W4_NP;
   const int64_t ldb = 2 * ldx;  // bytes
   const __m256i lut = nvfp4_lut_i16();
-#define HF_W4_PUT(A, OFF) "vmovdqu %%ymm" #A ", " #OFF "(%[acc])\n\t"
+  if (!mu) {
   __asm__ volatile(
       "vmovdqu %[lut], %%ymm15\n\t"
       "3:\n\t"
@@ -479,26 +485,14 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, int16_t* wb, int
       HF_W4_DP2(10, 11, 8, 9)
       HF_W4_STORE_W(10, 11, 8, 9)
       "add $32, %[qp]\n\tadd $4, %[xa]\n\tcmp %%rax, %[qp]\n\tjne 1b\n\t"
-      HF_W4_PUT(0, 0) HF_W4_PUT(1, 32) HF_W4_PUT(2, 64) HF_W4_PUT(3, 96)
-      HF_W4_PUT(4, 128) HF_W4_PUT(5, 160) HF_W4_PUT(6, 192) HF_W4_PUT(7, 224)
+      HF_W4_PUT8
       "add $256, %[acc]\n\t"
       "cmp %[end], %[qp]\n\tjne 3b\n\t"
       : [qp] "+r"(qq), [xa] "+r"(x), [wb] "+r"(wb), [acc] "+r"(acc)
       : [end] "r"(end), [ldb] "r"(ldb), [st] "r"(st), [lut] "m"(lut),
         [nib] "m"(kNibbleMask)
       : "rax", HF_W4_CLOBBERS);
-#undef HF_W4_PUT
-}
-// NVFP4, a folded chunk (nvfp4_fold): as tile2_decode_nvfp4, each decoded weight times its multiplier (mu: [16-k
-// block][4] vectors) before use and store, and one int32 sum per row and column over all nsub blocks, stored to
-// acc [2][32]
-inline void tile2_decode_nvfp4_folded(const uint8_t* qq, int64_t nsub, const __m256i* mu, int16_t* wb, int64_t st,
-                                      const int16_t* x, int64_t ldx, int32_t* acc) {
-  if (nsub <= 0) return;
-  const uint8_t* end = qq + nsub * 8 * W4_NP;
-  const int64_t ldb = 2 * ldx;  // bytes
-  const __m256i lut = nvfp4_lut_i16();
-#define HF_W4_PUT(A, OFF) "vmovdqu %%ymm" #A ", " #OFF "(%[acc])\n\t"
+  } else {  // folded
   __asm__ volatile(
       "vmovdqu %[lut], %%ymm15\n\t"
       HF_W4_ZERO8
@@ -514,12 +508,11 @@ inline void tile2_decode_nvfp4_folded(const uint8_t* qq, int64_t nsub, const __m
       "add $32, %[qp]\n\tadd $4, %[xa]\n\tcmp %%rax, %[qp]\n\tjne 1b\n\t"
       "add $128, %[mu]\n\t"
       "cmp %[end], %[qp]\n\tjne 3b\n\t"
-      HF_W4_PUT(0, 0) HF_W4_PUT(1, 32) HF_W4_PUT(2, 64) HF_W4_PUT(3, 96)
-      HF_W4_PUT(4, 128) HF_W4_PUT(5, 160) HF_W4_PUT(6, 192) HF_W4_PUT(7, 224)
+      HF_W4_PUT8
       : [qp] "+r"(qq), [xa] "+r"(x), [wb] "+r"(wb), [mu] "+r"(mu)
       : [end] "r"(end), [ldb] "r"(ldb), [st] "r"(st), [lut] "m"(lut), [nib] "m"(kNibbleMask), [acc] "r"(acc)
       : "rax", HF_W4_CLOBBERS);
-#undef HF_W4_PUT
+  }
 }
 
 // NVFP4, one row: nsub 16-k blocks; block s's int32 sums stored to acc + 32 s (sums ymm0-3). In C++, GCC 12 unrolled
@@ -550,6 +543,7 @@ inline void tile1_decode_nvfp4(const uint8_t* qq, int64_t nsub, const int16_t* x
       : "rax", HF_W4_CLOBBERS);
 }
 #undef HF_W4_NVFP4_DECODE
+#undef HF_W4_PUT8
 #undef HF_W4_CLOBBERS
 #undef HF_W4_STORE_W
 #undef HF_W4_DP2
@@ -664,8 +658,7 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
         if constexpr (MODE == W4_NVFP4) {
           if (rows >= kNvFoldMinRows && nvfp4_fold(sp + (kp / 8) * W4_NP, np / 8, fold)) {
             // the first two rows decode (and store for the others), as below
-            tile2_decode_nvfp4_folded(q + kp * W4_NP, np / 8, &fold.mu[0][0], wb, rows > 2, xq + r0 * K + 2 * kp, K,
-                                      iacc);
+            tile2_decode_nvfp4(q + kp * W4_NP, np / 8, &fold.mu[0][0], wb, rows > 2, xq + r0 * K + 2 * kp, K, iacc);
             __m256 v[2][4];
             for (int m = 0; m < 2; ++m)
               for (int t = 0; t < 4; ++t)
@@ -686,7 +679,7 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
         if (rows >= 2) {  // the first two rows decode (and store for the others)
           const int16_t* x = xq + r0 * K + 2 * kp;
           if constexpr (MODE == W4_NVFP4) {
-            tile2_decode_nvfp4(q + kp * W4_NP, np / 8, wb, rows > 2, x, K, iacc);
+            tile2_decode_nvfp4(q + kp * W4_NP, np / 8, nullptr, wb, rows > 2, x, K, iacc);
             __m256 v[2][4];
             for (int m = 0; m < 2; ++m)
               for (int t = 0; t < 4; ++t) v[m][t] = _mm256_setzero_ps();
