@@ -32,6 +32,11 @@ HF_TAVX2I __m256i dp_emul(__m256i acc, __m256i b, __m256i a) {
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(be, ae), _mm256_madd_epi16(bo, ao)));
 }
 
+// the 4 lines of a 256-byte weight step 2 KiB ahead
+HF_TAVX2I void prefetch4(const uint8_t* p) {
+  for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)p + 2048 + 64 * i, _MM_HINT_T0);
+}
+
 #define HF2_ROWS(X) X(0) X(1) X(2)
 #define HF2_DECL(r) __m256i c##r##0, c##r##1, c##r##2, c##r##3;
 #define HF2_INIT(r)                                                                         \
@@ -76,12 +81,7 @@ HF_TAVX2I __m256i dp_emul(__m256i acc, __m256i b, __m256i a) {
           const uint8_t* B = a.b + (gs0 - a.kb0) * NR + 128 * h;                            \
           const int64_t nq = (gs1 - gs0) / 4;                                               \
           for (int64_t q = 0; q < nq; ++q) {                                                \
-            if (pf) {                                                                       \
-              _mm_prefetch((const char*)B + 2048, _MM_HINT_T0);                             \
-              _mm_prefetch((const char*)B + 2048 + 64, _MM_HINT_T0);                        \
-              _mm_prefetch((const char*)B + 2048 + 128, _MM_HINT_T0);                       \
-              _mm_prefetch((const char*)B + 2048 + 192, _MM_HINT_T0);                       \
-            }                                                                               \
+            if (pf) prefetch4(B);                                                           \
             const int8_t* AQ = A;                                                           \
             HF2_ROWS(HF2_A)                                                                 \
             __m256i b = _mm256_loadu_si256((const __m256i*)B);                              \
@@ -99,12 +99,7 @@ HF_TAVX2I __m256i dp_emul(__m256i acc, __m256i b, __m256i a) {
           const uint8_t* B = a.b + (gs0 - a.kb0) * (NR / 2) + 128 * h;                      \
           const int64_t nq2 = (gs1 - gs0) / 8;                                              \
           for (int64_t q2 = 0; q2 < nq2; ++q2) {                                            \
-            if (pf) {                                                                       \
-              _mm_prefetch((const char*)B + 2048, _MM_HINT_T0);                             \
-              _mm_prefetch((const char*)B + 2048 + 64, _MM_HINT_T0);                        \
-              _mm_prefetch((const char*)B + 2048 + 128, _MM_HINT_T0);                       \
-              _mm_prefetch((const char*)B + 2048 + 192, _MM_HINT_T0);                       \
-            }                                                                               \
+            if (pf) prefetch4(B);                                                           \
             {                                                                               \
               const int8_t* AQ = A;                                                         \
               HF2_ROWS(HF2_A)                                                               \
@@ -189,10 +184,6 @@ HF_TAVX2I void nib_flush(__m256i (&s)[MR][4], __m256i (&c)[MR][4]) {
       c[r][j] = _mm256_add_epi32(c[r][j], _mm256_madd_epi16(s[r][j], ones));
       s[r][j] = _mm256_setzero_si256();
     }
-}
-
-HF_TAVX2I void prefetch4(const uint8_t* p) {
-  for (int i = 0; i < 4; ++i) _mm_prefetch((const char*)p + 2048 + 64 * i, _MM_HINT_T0);
 }
 
 template <int MR, bool OTF>

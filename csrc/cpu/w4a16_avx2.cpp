@@ -277,7 +277,7 @@ constexpr int64_t kNvFoldMinRows = 4;
 // eref = max ee - kNvFoldD. The int32 sums then run over the whole chunk (the activation quantizer bounds each 128-k
 // block's sum of |xq| by kNvFoldL1) and convert once per chunk instead of once per 16 k. The multiply is one vpmulhrsw
 // per 16 weights (2w x 256 from the decode, times the multiplier x 128, >> 15 with rounding: exact). A chunk with a
-// wider spread, a negative or nan scale keeps the per-16-k conversion.
+// wider spread or a nan scale keeps the per-16-k conversion.
 struct NvFoldAvx2 {
   __m256i mu[kI16ChunkPairs / 8][4];  // [16-k block][accumulator]: multiplier x 128 in both words of each lane
   __m256 cs[4];                       // per accumulator lane (column): 2^(eref - 10), matching the unfolded scales
@@ -296,9 +296,8 @@ inline bool nvfp4_fold(const uint8_t* sp, int64_t nb, NvFoldAvx2& f) {
   __m256i v[kI16ChunkPairs / 8], ee[kI16ChunkPairs / 8], mx = zero, mn = c63, bad = zero;
   for (int64_t s = 0; s < nb; ++s) {
     v[s] = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + 32 * s)), perm);
-    // negative (sign bit) or nan (0x7f) scales: not folded
-    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi8(zero, v[s]),
-                                               _mm256_cmpeq_epi8(v[s], _mm256_set1_epi8(0x7f))));
+    // the repack made every scale positive (w4a16_nvfp4_positive_scales); a nan (0x7f) is not folded
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(v[s], _mm256_set1_epi8(0x7f)));
     const __m256i isz = _mm256_cmpeq_epi8(v[s], zero);
     ee[s] = _mm256_max_epu8(_mm256_and_si256(_mm256_srli_epi16(v[s], 3), m15), one);
     mx = _mm256_max_epu8(mx, _mm256_andnot_si256(isz, ee[s]));
@@ -596,16 +595,21 @@ inline void tile_i16_nvfp4(const int16_t* wb, int64_t nsub, const __m256 (*sc)[4
   nvfp4_add_rows<MR>(v, xs, xs_step, f);
 }
 
-// NVFP4, a folded chunk (nvfp4_fold): MR rows' int32 sums over all np k-pairs, converted once
+// NVFP4, a folded chunk (nvfp4_fold): MR rows' int32 sums over the whole chunk, converted once
+template <int MR>
+inline void nvfp4_add_rows_folded(const __m256i (&a)[MR][4], const __m256 (&cs)[4], const float* xs, int64_t xs_step,
+                                  float* f) {
+  __m256 v[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) v[m][t] = _mm256_mul_ps(_mm256_cvtepi32_ps(a[m][t]), cs[t]);
+  nvfp4_add_rows<MR>(v, xs, xs_step, f);
+}
 template <int MR>
 inline void tile_i16_nvfp4_folded(const int16_t* wb, int64_t np, const __m256 (&cs)[4], const int16_t* x, int64_t ldx,
                                   const float* xs, int64_t xs_step, float* f) {
   __m256i a[MR][4];
   tile_i16<MR>(wb, np, x, ldx, a);
-  __m256 v[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < 4; ++t) v[m][t] = _mm256_mul_ps(_mm256_cvtepi32_ps(a[m][t]), cs[t]);
-  nvfp4_add_rows<MR>(v, xs, xs_step, f);
+  nvfp4_add_rows_folded<MR>(a, cs, xs, xs_step, f);
 }
 
 // one row (see above): per activation block, the int32 sums of its 16-k blocks, then f = sum of (sum x block
@@ -659,13 +663,11 @@ void panel_i16_rows(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const 
           if (rows >= kNvFoldMinRows && nvfp4_fold(sp + (kp / 8) * W4_NP, np / 8, fold)) {
             // the first two rows decode (and store for the others), as below
             tile2_decode_nvfp4(q + kp * W4_NP, np / 8, &fold.mu[0][0], wb, rows > 2, xq + r0 * K + 2 * kp, K, iacc);
-            __m256 v[2][4];
+            __m256i a[2][4];
             for (int m = 0; m < 2; ++m)
               for (int t = 0; t < 4; ++t)
-                v[m][t] = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(iacc + 32 * m + 8 * t))),
-                    fold.cs[t]);
-            nvfp4_add_rows<2>(v, xs + r0 * nab + b, nab, facc);
+                a[m][t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(iacc + 32 * m + 8 * t));
+            nvfp4_add_rows_folded<2>(a, fold.cs, xs + r0 * nab + b, nab, facc);
             for (m0 = 2; m0 < rows; m0 += 2) {
               const int16_t* x = xq + (r0 + m0) * K + 2 * kp;
               const float* xsr = xs + (r0 + m0) * nab + b;
