@@ -277,47 +277,62 @@ constexpr int64_t kNvFoldMinRows = 4;
 // eref = max ee - kNvFoldD. The int32 sums then run over the whole chunk (the activation quantizer bounds each 128-k
 // block's sum of |xq| by kNvFoldL1) and convert once per chunk instead of once per 16 k. The multiply is one vpmulhrsw
 // per 16 weights (2w x 256 from the decode, times the multiplier x 128, >> 15 with rounding: exact). A chunk with a
-// wider spread or a nan scale keeps the per-16-k conversion.
+// wider spread keeps the per-16-k conversion.
 struct NvFoldAvx2 {
   __m256i mu[kI16ChunkPairs / 8][4];  // [16-k block][accumulator]: multiplier x 128 in both words of each lane
   __m256 cs[4];                       // per accumulator lane (column): 2^(eref - 10), matching the unfolded scales
 };
 
-inline __m128i bytes8(__m256i v, int t) {  // bytes 8t .. 8t + 7 of v in the low half
-  const __m128i h = t < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-  return (t & 1) ? _mm_srli_si128(h, 8) : h;
+// the nb <= 8 blocks of 32 scale bytes at sp; false: keep the per-16-k conversion. Positive e4m3 bytes order as their
+// values (the repack made every scale positive, w4a16_nvfp4_positive_scales), so the largest and the smallest nonzero
+// byte per column give the exponent spread: 4 ops per block. (Loading refuses non-finite scales; the op reads e4m3 0x7f
+// as 480, folded or not, as the AVX-512 kernel does.) Then per block: the exponent, 2^(ee - eref) by vpshufb, the
+// mantissa, and one vpmaddubsw per 16 columns multiplies them into 16-bit words, which unpack (doubled, x 128) into the
+// accumulator order; the scale rows are first put in the order columns 0-7, 16-23 | 8-15, 24-31 (one vpermq), in which
+// unpack{lo,hi} give that order. ~25 ops per block instead of ~58 with per-lane variable shifts (vpsllvd). Zen 3, 1
+// thread, hot, 4096x4096, NVFP4 / int4 time, three interleaved runs: M=4 1.24-1.29 -> 1.18-1.24, M=16 1.05-1.07 ->
+// 1.01-1.05 (with no fold work at all, M=4 would be ~1.1-1.15).
+inline __m256i nvfp4_scale_rows(const uint8_t* sp) {  // columns 0-7, 16-23 | 8-15, 24-31
+  return _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)), _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-// the nb <= 8 blocks of 32 scale bytes at sp; false: keep the per-16-k conversion
+inline __m256i e4m3_exponent(__m256i v) {  // max(exponent field, 1) per byte (the denormals' exponent is 1)
+  return _mm256_max_epu8(_mm256_and_si256(_mm256_srli_epi16(v, 3), _mm256_set1_epi8(15)), _mm256_set1_epi8(1));
+}
+
 inline bool nvfp4_fold(const uint8_t* sp, int64_t nb, NvFoldAvx2& f) {
-  const __m256i perm = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);  // accumulator order, as nvfp4_block_scales
-  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1), m15 = _mm256_set1_epi8(15);
-  const __m256i c63 = _mm256_set1_epi8(63), c7 = _mm256_set1_epi8(7), c8 = _mm256_set1_epi8(8);
-  __m256i v[kI16ChunkPairs / 8], ee[kI16ChunkPairs / 8], mx = zero, mn = c63, bad = zero;
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+  __m256i v[kI16ChunkPairs / 8], hi = zero, lo = _mm256_set1_epi8(-1);
   for (int64_t s = 0; s < nb; ++s) {
-    v[s] = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + 32 * s)), perm);
-    // the repack made every scale positive (w4a16_nvfp4_positive_scales); a nan (0x7f) is not folded
-    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(v[s], _mm256_set1_epi8(0x7f)));
-    const __m256i isz = _mm256_cmpeq_epi8(v[s], zero);
-    ee[s] = _mm256_max_epu8(_mm256_and_si256(_mm256_srli_epi16(v[s], 3), m15), one);
-    mx = _mm256_max_epu8(mx, _mm256_andnot_si256(isz, ee[s]));
-    mn = _mm256_min_epu8(mn, _mm256_or_si256(ee[s], _mm256_and_si256(isz, c63)));
+    v[s] = nvfp4_scale_rows(sp + 32 * s);
+    hi = _mm256_max_epu8(hi, v[s]);
+    lo = _mm256_min_epu8(lo, _mm256_sub_epi8(v[s], one));  // smallest nonzero - 1 (a zero wraps to 255)
   }
-  const __m256i wide = _mm256_cmpgt_epi8(_mm256_subs_epu8(mx, mn), _mm256_set1_epi8(kNvFoldD));
-  if (!_mm256_testz_si256(_mm256_or_si256(bad, wide), _mm256_or_si256(bad, wide))) return false;
-  const __m256i eref = _mm256_sub_epi8(mx, _mm256_set1_epi8(kNvFoldD));
+  const __m256i ehi = e4m3_exponent(hi), elo = e4m3_exponent(_mm256_add_epi8(lo, one));
+  const __m256i wide = _mm256_cmpgt_epi8(_mm256_sub_epi8(ehi, elo), _mm256_set1_epi8(kNvFoldD));
+  if (!_mm256_testz_si256(wide, wide)) return false;
+  const __m256i eref = _mm256_sub_epi8(ehi, _mm256_set1_epi8(kNvFoldD));
+  const __m256i pow2 = _mm256_setr_epi8(1, 2, 4, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        1, 2, 4, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m256i c7 = _mm256_set1_epi8(7), c8 = _mm256_set1_epi8(8);
   for (int64_t s = 0; s < nb; ++s) {
+    // mantissa 8..15 (0..7 for the denormals) and 2^(ee - eref), 0..4 for nonzero blocks (zero blocks: mantissa 0)
     const __m256i mt = _mm256_or_si256(_mm256_and_si256(v[s], c7), _mm256_and_si256(_mm256_cmpgt_epi8(v[s], c7), c8));
-    const __m256i sh = _mm256_sub_epi8(ee[s], eref);  // 0..kNvFoldD for nonzero blocks (zero blocks: mt = 0)
-    for (int t = 0; t < 4; ++t) {
-      __m256i m = _mm256_sllv_epi32(_mm256_cvtepu8_epi32(bytes8(mt, t)), _mm256_cvtepi8_epi32(bytes8(sh, t)));
-      m = _mm256_slli_epi32(m, 7);
-      f.mu[s][t] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
+    const __m256i p2 = _mm256_shuffle_epi8(pow2, _mm256_sub_epi8(e4m3_exponent(v[s]), eref));
+    for (int h = 0; h < 2; ++h) {  // columns 0-7 | 8-15, then 16-23 | 24-31, as 16-bit multiplier x 128
+      const __m256i m = _mm256_slli_epi16(
+          h ? _mm256_maddubs_epi16(_mm256_unpackhi_epi8(p2, zero), _mm256_unpackhi_epi8(mt, zero))
+            : _mm256_maddubs_epi16(_mm256_unpacklo_epi8(p2, zero), _mm256_unpacklo_epi8(mt, zero)), 7);
+      f.mu[s][2 * h] = _mm256_unpacklo_epi16(m, m);
+      f.mu[s][2 * h + 1] = _mm256_unpackhi_epi16(m, m);
     }
   }
-  for (int t = 0; t < 4; ++t)
-    f.cs[t] = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepi8_epi32(bytes8(eref, t)), _mm256_set1_epi32(117)), 23));
+  const __m256i eb = _mm256_add_epi8(eref, _mm256_set1_epi8(117));  // eref - 10 + 127: 114..128
+  for (int h = 0; h < 2; ++h) {
+    const __m256i w = h ? _mm256_unpackhi_epi8(eb, zero) : _mm256_unpacklo_epi8(eb, zero);
+    f.cs[2 * h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_unpacklo_epi16(w, zero), 23));
+    f.cs[2 * h + 1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_unpackhi_epi16(w, zero), 23));
+  }
   return true;
 }
 
