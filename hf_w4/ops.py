@@ -44,6 +44,10 @@ lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Ten
 # (timed, 2048x2048 at M=64 / 256, ms: int4 int16 2.518 / 9.913, fp32 2.630 / 6.995; nvfp4 int16 3.883 / 15.443,
 # fp32 2.837 / 7.269)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
+# cpu_w4a16_quant_x16: the int16 path's activation quantizer alone (tests): x [M, K] -> (xq int16 [M, K], xs fp32
+# [M, K / block] = the power-of-two scale, xd int32 [M, K / block] = the sum of the block's xq); l1max > 0 also bounds
+# each block's sum of |xq| (the folded NVFP4 kernel); an error on inf / nan. isa as for cpu_w4a16_gemm.
+lib.define("cpu_w4a16_quant_x16(Tensor x, int block, int l1max=0, str isa=\"\") -> (Tensor, Tensor, Tensor)")
 
 
 def _w4a16_panels(n: int) -> int:
@@ -58,6 +62,13 @@ def _cpu_w4a16_repack_fake(codes, pack_dim, slots, scales, zeros, perm, n, k, gr
     s = codes.new_empty((p, g, 32), dtype=torch.uint8 if weight_type == "nvfp4" else torch.float32)
     z = codes.new_empty((p if (zeros is not None and weight_type != "nvfp4") else 0, g, 32), dtype=torch.float32)
     return q, s, z
+
+
+@torch.library.register_fake("hf_w4::cpu_w4a16_quant_x16")
+def _cpu_w4a16_quant_x16_fake(x, block, l1max=0, isa=""):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=torch.int16), x.new_empty((m, k // block), dtype=torch.float32),
+            x.new_empty((m, k // block), dtype=torch.int32))
 
 
 @torch.library.register_fake("hf_w4::cpu_w4a16_gemm")

@@ -205,6 +205,7 @@ def test_opcheck():
                                                "nvfp4")
     torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_gemm,
                           (torch.randn(2, 256), q, s, z, None, torch.randn(64), 64, 16, "nvfp4", 0.5, "", -1))
+    torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_quant_x16, (torch.randn(3, 256, dtype=torch.bfloat16), 32, 0, ""))
 
 
 def test_registry_selects_and_rejects():
@@ -328,6 +329,63 @@ def test_amx_raw_group_counts(k, gs, sym):
         x = torch.randn(M, k, generator=gen).to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, path=2)
         check(y, x, W, None, True, f"amx raw K={k} g={gs} sym={sym} M={M}")
+
+
+def quant_x16_ref(x, block, l1max=0):
+    """The int16 path's activation quantizer (csrc/cpu/w4a16.h) in torch: per row and block, the scale 2^s with
+    s = (exponent of the block's max |x|, at least -100) - 14, raised while the block's sum of |x| / 2^s exceeds
+    (l1max - block / 2) (1 - 2^-10); xq = x / 2^s rounded half to even, saturated to int16; xd = the sum of xq."""
+    xf = x.float()
+    m, k = xf.shape
+    b = xf.reshape(m, k // block, block)
+    amax = b.abs().amax(-1)
+    e = torch.where(amax > 0, torch.frexp(amax).exponent - 1, torch.full_like(amax, -100, dtype=torch.int32))
+    s = e.clamp(min=-100) - 14
+    if l1max > 0:
+        l1 = b.abs().double().sum(-1)
+        t = (l1max - block // 2) * (1 - 2.0 ** -10)
+        while True:
+            over = l1 * torch.pow(2.0, -s.double()) > t
+            if not bool(over.any()):
+                break
+            s = s + over.int()
+    q = torch.round(b * torch.pow(2.0, -s.float()).unsqueeze(-1)).clamp(-32768, 32767)
+    return q.reshape(m, k).to(torch.int16), torch.pow(2.0, s.float()), q.sum(-1).int()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quant_x16_bit_exact(isa, dtype):
+    """cpu_w4a16_quant_x16 (the int16 path's activation quantizer; portable, AVX2, AVX-512; rows in parallel from
+    16 Ki elements) against quant_x16_ref, bit for bit: blocks of 16 .. 128 and 20 (not a multiple of 16: the portable
+    code on AVX2), rows of 1e-30 .. 1e30 (fp16: 1e-4 .. 1e4), zeros, denormals, exact ties, fp32 values that round up to 32768 (saturated
+    to 32767, and summed as such), a block-sum bound (l1max) that raises the scale, and inf / nan (alone, anywhere in
+    a block: an error)."""
+    gen = torch.Generator().manual_seed(3)
+    for k, block in ((256, 16), (256, 32), (320, 64), (512, 128), (160, 20)):
+        for M in (1, 5, 130):
+            span = 4 if dtype == torch.float16 else 30
+            x = torch.randn(M, k, generator=gen) * torch.logspace(-span, span, M)[:, None]
+            x[0, :block] = 0.0
+            if M > 1:
+                x[1, :block] = torch.randn(block, generator=gen) * 1e-40  # fp32 denormals (zero in bf16 / fp16)
+                x[1, block:2 * block] = torch.arange(block) * 0.5 - block / 4  # 2^-15 steps of 2^14: ties
+                if dtype == torch.float32:
+                    x[M - 1, :block] = torch.randn(block, generator=gen)
+                    x[M - 1, :2] = torch.tensor([1.9999999, -1.9999999]) * 2.0 ** 5  # 32767.998 -> 32768
+            x = x.to(dtype)
+            for l1max in (0, 745654, 3000):
+                xq, xs, xd = torch.ops.hf_w4.cpu_w4a16_quant_x16(x, block, l1max, isa)
+                rq, rs, rd = quant_x16_ref(x, block, l1max)
+                what = f"isa={isa} {dtype} K={k} block={block} M={M} l1max={l1max}"
+                assert torch.equal(xq, rq), (what, int((xq.int() - rq.int()).abs().max()))
+                assert torch.equal(xs, rs) and torch.equal(xd, rd), what
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for at in (0, block // 2 + 1, block - 1):
+                x = torch.randn(3, k, generator=gen).to(dtype)
+                x[2, k - block + at] = bad
+                with pytest.raises(RuntimeError, match="inf / nan"):
+                    torch.ops.hf_w4.cpu_w4a16_quant_x16(x, block, 0, isa)
 
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])

@@ -88,9 +88,11 @@ constexpr int64_t kNvFoldL1 = 2147483647 / (12 * 15 << kNvFoldD);
 bool w4a16_i16_nvfp4_folded(int64_t M);
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);
-// the same in portable C++ (any ISA) and the AVX2 kernel (vpmaddwd + vpaddd)
+// the same in portable C++ (any ISA) and AVX2 (ag a multiple of 16; the kernel: vpmaddwd + vpaddd)
 bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
                              float* xs, int32_t* xd);
+bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                          float* xs, int32_t* xd);
 void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1);
 

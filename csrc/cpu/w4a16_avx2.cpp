@@ -866,6 +866,63 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
   else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1);
 }
 
+// as w4a16_quant_x16_generic (the same numbers: round half to even, saturated, the sums of the saturated values),
+// 8 lanes at a time; the block max compares the magnitudes' bits as integers, so a nan is never lost
+bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
+                          float* xs, int32_t* xd) {
+  const int64_t nab = K / ag;
+  auto load = [&](int64_t i) -> __m256 {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+    if (dtype == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (dtype == DT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+  };
+  auto hsum = [](__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+  };
+  const __m256i mag = _mm256_set1_epi32(0x7fffffff);
+  const __m256i lo16 = _mm256_set1_epi32(-32768), hi16 = _mm256_set1_epi32(32767);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nab; ++b) {
+      const int64_t i0 = m * K + b * ag;
+      __m256i mx = _mm256_setzero_si256();
+      __m256 sm = _mm256_setzero_ps();
+      for (int64_t i = 0; i < ag; i += 8) {
+        const __m256i v = _mm256_and_si256(_mm256_castps_si256(load(i0 + i)), mag);
+        mx = _mm256_max_epi32(mx, v);
+        if (l1max > 0) sm = _mm256_add_ps(sm, _mm256_castsi256_ps(v));
+      }
+      __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+      m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(1, 0, 3, 2)));
+      m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(2, 3, 0, 1)));
+      const uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+      if ((bits >> 23) >= 255) return false;  // inf / nan: the caller takes the float path
+      float l1 = 0.0f;
+      if (l1max > 0) {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, sm);
+        for (int j = 0; j < 8; ++j) l1 += t[j];
+      }
+      const int s = quant_x16_exponent(std::max(static_cast<int>(bits >> 23) - 127, -100), l1, ag, l1max);
+      if (s == INT32_MIN) return false;
+      const __m256 inv = _mm256_set1_ps(std::ldexp(1.0f, -s));
+      xs[m * nab + b] = std::ldexp(1.0f, s);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = 0; i < ag; i += 16) {  // ag is a multiple of 16
+        __m256i d0 = _mm256_cvtps_epi32(_mm256_mul_ps(load(i0 + i), inv));  // round to nearest even
+        __m256i d1 = _mm256_cvtps_epi32(_mm256_mul_ps(load(i0 + i + 8), inv));
+        d0 = _mm256_min_epi32(_mm256_max_epi32(d0, lo16), hi16);
+        d1 = _mm256_min_epi32(_mm256_max_epi32(d1, lo16), hi16);
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(d0, d1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i0 + i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(d0, d1), _MM_SHUFFLE(3, 1, 2, 0)));
+      }
+      xd[m * nab + b] = hsum(_mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1)));
+    }
+  return true;
+}
+
 void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
   if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
   else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);

@@ -749,15 +749,14 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nab; ++b) {
       const int64_t i0 = m * K + b * ag;
-      __m512 mx = _mm512_setzero_ps(), sm = mx;
+      __m512i mx = _mm512_setzero_si512();
+      __m512 sm = _mm512_setzero_ps();
       for (int64_t i = 0; i < ag; i += 16) {
         const __m512 v = _mm512_abs_ps(load(i0 + i, mask(ag - i)));
-        mx = _mm512_max_ps(mx, v);
+        mx = _mm512_max_epu32(mx, _mm512_castps_si512(v));  // as integers: a nan is never lost (vmaxps drops it)
         if (l1max > 0) sm = _mm512_add_ps(sm, v);
       }
-      const float amax = _mm512_reduce_max_ps(mx);
-      uint32_t bits;
-      std::memcpy(&bits, &amax, 4);
+      const uint32_t bits = _mm512_reduce_max_epu32(mx);
       if ((bits >> 23) >= 255) return false;  // inf / nan: the caller takes the float path
       // power-of-two scale 2^(e - 14) with e = exponent of the block max: |D| < 2^15, and every element within
       // 2^7 (bf16) / 2^4 (fp16) of the max converts exactly
@@ -769,9 +768,12 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
       __m512i sum = _mm512_setzero_si512();
       for (int64_t i = 0; i < ag; i += 16) {
         const __mmask16 mk = mask(ag - i);
-        const __m512i d = _mm512_cvtps_epi32(_mm512_mul_ps(load(i0 + i, mk), inv));  // round to nearest even
+        // round to nearest even; saturated before the sum, as stored (fp32 x can round up to 32768)
+        const __m512i d = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load(i0 + i, mk), inv)),
+                                                            _mm512_set1_epi32(-32768)),
+                                           _mm512_set1_epi32(32767));
         sum = _mm512_add_epi32(sum, d);
-        _mm256_mask_storeu_epi16(xq + i0 + i, mk, _mm512_cvtsepi32_epi16(d));
+        _mm256_mask_storeu_epi16(xq + i0 + i, mk, _mm512_cvtepi32_epi16(d));
       }
       xd[m * nab + b] = _mm512_reduce_add_epi32(sum);
     }
