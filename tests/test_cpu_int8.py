@@ -147,6 +147,33 @@ def test_gemm_vs_reference(case, isa):
                 check(y4, y0, dtype, f"{kind} as int4 M={M} {dtype} {act} {isa}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_nonfinite_activations_give_nan_rows(isa):
+    """inf / nan in x: compressed-tensors' forward makes the row's scale inf / nan, so the whole output row is nan.
+    Every path does the same (a float max over the row used to drop a nan: finite, wrong numbers), at any position
+    (vector body or scalar tail, K = 200), per token and per group, act-order, every row tile; the other rows match
+    the reference."""
+    g = torch.Generator().manual_seed(11)
+    for kind, gs, gidx in (("w8a8", -1, False), ("gptq", 40, False), ("gptq", 40, True), ("w4a8_ct", -1, False)):
+        spec, qw = make_qweight(kind, 48, 200, gs, g_idx=gidx, seed=3)
+        acts = ["int8_token"] + ([] if gidx or gs == -1 else ["int8_group"])
+        for M, dtype in ((1, torch.bfloat16), (7, torch.float32), (20, torch.float16)):
+            x = torch.randn(M, 200, generator=g).to(dtype)
+            bad_rows = sorted({0, M // 2, M - 1})
+            for r, c, v in zip(bad_rows, (3, 199, 117), ("nan", "inf", "-inf")):
+                x[r, c] = float(v)
+            ok = [r for r in range(M) if r not in bad_rows]
+            for act in acts:
+                y = run_kernel(qw, x, act, isa)
+                y0 = reference(qw, x, act)
+                assert bool(y0[bad_rows].isnan().all()), "the reference's rows"
+                assert bool(y[bad_rows].isnan().all()), (kind, act, M, isa, y[bad_rows].isnan().sum(-1))
+                if ok:
+                    check(y[ok], y0[ok], dtype, f"{kind} {act} M={M} {isa}")
+            q, sc = torch.ops.hf_w4.int8_quant_act(x, -1, isa)
+            assert bool(sc[bad_rows].isnan().all()) and bool(sc[ok].isfinite().all()), isa
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_fuzz_random_shapes(seed):
     g = torch.Generator().manual_seed(100 + seed)

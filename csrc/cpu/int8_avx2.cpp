@@ -328,12 +328,6 @@ HF_TAVX2I __m256 load8(const void* x, int t, int64_t i) {
   return _mm256_cvtph_ps(h);
 }
 
-HF_TAVX2I float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
 HF_TAVX2I int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -346,16 +340,17 @@ inline float x1(const char* xr, int t, int64_t c) {
          : t == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c]) : f16_to_f32(((const uint16_t*)xr)[c]);
 }
 
-HF_TAVX2I float amax(const float* p, int64_t n) {
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 mx = _mm256_setzero_ps();
+// the abs_bits maximum of p[0..n) (see act_scale)
+HF_TAVX2I uint32_t amax_bits(const float* p, int64_t n) {
+  const __m256i mag = _mm256_set1_epi32(0x7fffffff);
+  __m256i mx = _mm256_setzero_si256();
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(p + j), absmask));
-  float m1 = hmax8(mx);
-  for (; j < n; ++j) {
-    const float a = p[j] < 0 ? -p[j] : p[j];
-    m1 = a > m1 ? a : m1;
-  }
+  for (; j + 8 <= n; j += 8) mx = _mm256_max_epi32(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(p + j)), mag));
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  uint32_t m1 = (uint32_t)_mm_cvtsi128_si32(m);
+  for (; j < n; ++j) m1 = std::max(m1, abs_bits(p[j]));
   return m1;
 }
 
@@ -384,16 +379,14 @@ HF_TAVX2 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
       }
       float s_tok = 0.f;
       if (!q.act_group) {
-        s_tok = amax(buf, K) / 127.5f;
-        if (s_tok == 0.f) s_tok = 1.f;
+        s_tok = act_scale(amax_bits(buf, K));
         q.ascale[m] = s_tok;
       }
       for (int64_t gi = 0; gi < g.G; ++gi) {
         const float* xg = buf + gi * gs;
         float s = s_tok;
         if (q.act_group) {
-          s = amax(xg, gs) / 127.5f;
-          if (s == 0.f) s = 1.f;
+          s = act_scale(amax_bits(xg, gs));
           q.ascale[m * g.G + gi] = s;
         }
         const __m256 sv = _mm256_set1_ps(s);

@@ -280,6 +280,11 @@ struct T512 {
 // AMX activation layout: offset of packed column kp inside a row (row base = block base + 64 * row)
 inline int64_t amx_aoff(int64_t kp) { return (kp >> 6) * 1024 + (kp & 63); }
 
+// max(mx, abs_bits of the 16 lanes of v) (see act_scale)
+HF_T512I __m512i max_abs_bits(__m512i mx, __m512 v) {
+  return _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+}
+
 HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
   const Geometry& g = q.g;
   const int64_t K = g.K, gs = g.gs, Gp = g.Gp;
@@ -310,24 +315,25 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
                                            : f16_to_f32(((const uint16_t*)xr)[c]);
         }
       }
-      __m512 mx = _mm512_setzero_ps();  // max |x| of the vector part, fused into the copy when there is no perm
+      // max |x| of the vector part (abs_bits), fused into the copy when there is no perm
+      __m512i mx = _mm512_setzero_si512();
       bool have_mx = false;
       if (!q.perm) {
         int64_t j = 0;
-        __m512 mx1 = _mm512_setzero_ps();
+        __m512i mx1 = _mm512_setzero_si512();
         for (; j + 32 <= K; j += 32) {
           const __m512 v0 = load16(xr, q.in_type, j), v1 = load16(xr, q.in_type, j + 16);
           _mm512_storeu_ps(buf + j, v0);
           _mm512_storeu_ps(buf + j + 16, v1);
-          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
-          mx1 = _mm512_max_ps(mx1, _mm512_and_ps(v1, absmask));
+          mx = max_abs_bits(mx, v0);
+          mx1 = max_abs_bits(mx1, v1);
         }
         for (; j + 16 <= K; j += 16) {
           const __m512 v0 = load16(xr, q.in_type, j);
           _mm512_storeu_ps(buf + j, v0);
-          mx = _mm512_max_ps(mx, _mm512_and_ps(v0, absmask));
+          mx = max_abs_bits(mx, v0);
         }
-        mx = _mm512_max_ps(mx, mx1);
+        mx = _mm512_max_epu32(mx, mx1);
         have_mx = true;
         for (; j < K; ++j)
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
@@ -339,24 +345,22 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         int64_t j = 0;
         if (have_mx) j = K / 16 * 16;
         else
-          for (; j + 16 <= K; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(buf + j), absmask));
-        float m1 = _mm512_reduce_max_ps(mx);
-        for (; j < K; ++j) m1 = buf[j] < 0 ? (-buf[j] > m1 ? -buf[j] : m1) : (buf[j] > m1 ? buf[j] : m1);
-        s_tok = m1 / 127.5f;
-        if (s_tok == 0.f) s_tok = 1.f;
+          for (; j + 16 <= K; j += 16) mx = max_abs_bits(mx, _mm512_loadu_ps(buf + j));
+        uint32_t m1 = _mm512_reduce_max_epu32(mx);
+        for (; j < K; ++j) m1 = std::max(m1, abs_bits(buf[j]));
+        s_tok = act_scale(m1);
         q.ascale[m] = s_tok;
       }
       for (int64_t gi = 0; gi < g.G; ++gi) {
         const float* xg = buf + gi * gs;
         float s = s_tok;
         if (q.act_group) {
-          __m512 mx = _mm512_setzero_ps();
+          __m512i mx = _mm512_setzero_si512();
           int64_t j = 0;
-          for (; j + 16 <= gs; j += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xg + j), absmask));
-          float m1 = _mm512_reduce_max_ps(mx);
-          for (; j < gs; ++j) m1 = xg[j] < 0 ? (-xg[j] > m1 ? -xg[j] : m1) : (xg[j] > m1 ? xg[j] : m1);
-          s = m1 / 127.5f;
-          if (s == 0.f) s = 1.f;
+          for (; j + 16 <= gs; j += 16) mx = max_abs_bits(mx, _mm512_loadu_ps(xg + j));
+          uint32_t m1 = _mm512_reduce_max_epu32(mx);
+          for (; j < gs; ++j) m1 = std::max(m1, abs_bits(xg[j]));
+          s = act_scale(m1);
           q.ascale[m * g.G + gi] = s;
         }
         // x / s (correctly rounded) then round half to even. vdivps is slow, so the quotient comes from x * (1/s),

@@ -14,6 +14,7 @@
 // plus asum [M][G] (sum of the codes of each group) and ascale [M] (per token) or [M][G] (per group).
 // Result: y[m][n] = sum_g scale[n][g] * ascale * (sum_k a*u - zero*asum[m][g]), exact integer dot per group.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -123,8 +124,27 @@ struct TileArgs {
 // The scalar tail of every ISA's activation quantizer uses this, so all paths round alike.
 inline int8_t q8(float v, float s) {
   float r = std::nearbyint(v / s);
-  r = r < -128.f ? -128.f : (r > 127.f ? 127.f : r);
+  r = r >= -128.f ? (r > 127.f ? 127.f : r) : -128.f;  // nan (a nan scale) -> -128, as vmaxps(nan, -128) gives
   return (int8_t)(int)r;
+}
+
+// |v| as the bits of a float: a maximum over these orders nan above inf above every finite value (vmaxps and fmax
+// drop a nan)
+inline uint32_t abs_bits(float v) {
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  return u & 0x7fffffffu;
+}
+
+// the activation scale of a row (per token) or group from the abs_bits maximum of its values: max / 127.5 (1 for
+// an all-zero one); nan where x holds inf / nan, so that the row's outputs are nan, as compressed-tensors' forward
+// makes them (its scale is inf / nan there)
+inline float act_scale(uint32_t amax_bits) {
+  if (amax_bits >= 0x7f800000u) return NAN;
+  float m;
+  __builtin_memcpy(&m, &amax_bits, 4);
+  const float s = m / 127.5f;
+  return s == 0.f ? 1.f : s;
 }
 
 inline float bf16_to_f32(uint16_t h) {

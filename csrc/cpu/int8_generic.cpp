@@ -291,20 +291,18 @@ void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
       for (int64_t j = 0; j < g.K; ++j) buf[j] = load_x(xr, q.in_type, q.perm ? q.perm[j] : j);
       float s_tok = 0.f;
       if (!q.act_group) {
-        float mx = 0.f;
-        for (int64_t j = 0; j < g.K; ++j) mx = std::fmax(mx, std::fabs(buf[j]));
-        s_tok = mx / 127.5f;
-        if (s_tok == 0.f) s_tok = 1.f;
+        uint32_t mx = 0;
+        for (int64_t j = 0; j < g.K; ++j) mx = std::max(mx, abs_bits(buf[j]));
+        s_tok = act_scale(mx);
         q.ascale[m] = s_tok;
       }
       for (int64_t gi = 0; gi < g.G; ++gi) {
         const float* xg = buf + gi * g.gs;
         float s = s_tok;
         if (q.act_group) {
-          float mx = 0.f;
-          for (int64_t j = 0; j < g.gs; ++j) mx = std::fmax(mx, std::fabs(xg[j]));
-          s = mx / 127.5f;
-          if (s == 0.f) s = 1.f;
+          uint32_t mx = 0;
+          for (int64_t j = 0; j < g.gs; ++j) mx = std::max(mx, abs_bits(xg[j]));
+          s = act_scale(mx);
           q.ascale[m * g.G + gi] = s;
         }
         int32_t sum = 0;
