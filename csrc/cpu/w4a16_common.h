@@ -22,6 +22,8 @@ constexpr int64_t kW4PrefetchBytes = 8192;
 // 3 interleaved rounds, ms (without / 16 KiB / 32 KiB):
 //   4096x4096   M=1 0.409 / 0.363 / 0.361   M=4 0.460 / 0.440 / 0.441   (NVFP4 M=1 0.414 / 0.392 / 0.391)
 //   11008x4096  M=1 1.089 / 0.944 / 0.946   M=4 1.241 / 1.194 / 1.182   (NVFP4 M=4 1.351 / 1.332 / 1.330)
+// (The AVX2 kernels do not: on the AVX2-only EPYC (Zen 3) the same far prefetch in every decode loop made int4 M=1
+// slower, 4096x4096 0.36-0.42 -> 0.48-0.50 ms, 11008x4096 1.02-1.10 -> 1.16-1.21, builds alternated 3 times.)
 constexpr int64_t kW4PrefetchFarBytes = 32768;
 
 inline uint16_t f32_to_bf16_bits(float f) {
