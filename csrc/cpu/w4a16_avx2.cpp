@@ -216,7 +216,9 @@ inline const __m256i& nvfp4_lut_i16() {  // 2 x e2m1 as int8, in both 128-bit la
   return lut;
 }
 
-// the 32 fp8 block scales of one 16-k block in accumulator order (4 x 8, see above), value / 256
+// the 32 fp8 block scales of one 16-k block in accumulator order (4 x 8, see above), value / 256. (These take ~15 % of
+// the one-row NVFP4 time: 1 thread, hot, 4096x4096, 0.59-0.63 ms, 0.51-0.52 with one decode per activation block.
+// Normal e4m3 bytes straight into fp32 bits, (b << 20) + (112 << 23), instead of vcvtph2ps was no faster.)
 inline void nvfp4_block_scales(const uint8_t* sp, __m256 (&sc)[4]) {
   const __m256i sb = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)),
                                                  _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7));
