@@ -388,6 +388,16 @@ def test_quant_x16_bit_exact(isa, dtype):
                     torch.ops.hf_w4.cpu_w4a16_quant_x16(x, block, 0, isa)
 
 
+def test_quant_x16_errors():
+    """cpu_w4a16_quant_x16's argument checks name what is wrong."""
+    x = torch.randn(2, 64)
+    for args, msg in (((x[0], 16), "x must be 2-D"), ((x.double(), 16), "x must be float32, bfloat16 or float16"),
+                      ((x, 24), "block must be a multiple of 4 up to 4096 that divides K, got 24"),
+                      ((x, 6), "got 6"), ((x, 8192), "got 8192")):
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.hf_w4.cpu_w4a16_quant_x16(*args, 0, "")
+
+
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("layout,sym", [("gptq", True), ("awq", False), ("modelopt_nvfp4", True)])
 def test_int16_path_exact_on_grid_and_nonfinite(layout, sym, isa):

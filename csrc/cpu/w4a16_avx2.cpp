@@ -898,15 +898,13 @@ bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_
       __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
       m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(1, 0, 3, 2)));
       m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(2, 3, 0, 1)));
-      const uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
-      if ((bits >> 23) >= 255) return false;  // inf / nan: the caller takes the float path
       float l1 = 0.0f;
       if (l1max > 0) {
         alignas(32) float t[8];
         _mm256_store_ps(t, sm);
         for (int j = 0; j < 8; ++j) l1 += t[j];
       }
-      const int s = quant_x16_exponent(std::max(static_cast<int>(bits >> 23) - 127, -100), l1, ag, l1max);
+      const int s = quant_x16_exponent(static_cast<uint32_t>(_mm_cvtsi128_si32(m4)), l1, ag, l1max);
       if (s == INT32_MIN) return false;
       const __m256 inv = _mm256_set1_ps(std::ldexp(1.0f, -s));
       xs[m * nab + b] = std::ldexp(1.0f, s);

@@ -756,12 +756,7 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
         mx = _mm512_max_epu32(mx, _mm512_castps_si512(v));  // as integers: a nan is never lost (vmaxps drops it)
         if (l1max > 0) sm = _mm512_add_ps(sm, v);
       }
-      const uint32_t bits = _mm512_reduce_max_epu32(mx);
-      if ((bits >> 23) >= 255) return false;  // inf / nan: the caller takes the float path
-      // power-of-two scale 2^(e - 14) with e = exponent of the block max: |D| < 2^15, and every element within
-      // 2^7 (bf16) / 2^4 (fp16) of the max converts exactly
-      const int e = std::max(static_cast<int>(bits >> 23) - 127, -100);
-      const int s = quant_x16_exponent(e, _mm512_reduce_add_ps(sm), ag, l1max);
+      const int s = quant_x16_exponent(_mm512_reduce_max_epu32(mx), _mm512_reduce_add_ps(sm), ag, l1max);
       if (s == INT32_MIN) return false;
       const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -s));
       xs[m * nab + b] = std::ldexp(1.0f, s);

@@ -1,5 +1,6 @@
 // small inline helpers shared by the W4A16 sources (no torch headers, no ISA-specific code)
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <climits>
 #include <cmath>
@@ -41,11 +42,15 @@ inline float bf16_bits_to_f32(uint16_t h) {
   return f;
 }
 
-// Exponent s of the int16 activation scale 2^s of a block of ag k (w4a16_quant_x16_*): e - 14 for the block max's
-// exponent e, raised until the block's sum of |x| (l1, summed in fp32) rounds to a sum of |xq| of at most l1max
-// (rounding adds at most 1/2 per element; 2^-10 of margin for the fp32 sum); INT32_MIN if l1 is not finite.
-inline int quant_x16_exponent(int e, float l1, int64_t ag, int64_t l1max) {
-  int s = e - 14;
+// Exponent s of the int16 activation scale 2^s of a block of ag k (w4a16_quant_x16_*), from max_bits, the largest
+// |x| of the block as fp32 bits (compared as integers by the callers, so that a nan is never lost): e - 14 for its
+// exponent e (at least -100), so |xq| < 2^15 and every element within 2^7 (bf16) / 2^4 (fp16) of the max converts
+// exactly; raised until the block's sum of |x| (l1, summed in fp32) rounds to a sum of |xq| of at most l1max
+// (rounding adds at most 1/2 per element; 2^-10 of margin for the fp32 sum). INT32_MIN if the max is inf / nan or l1
+// is not finite: the caller takes the float path.
+inline int quant_x16_exponent(uint32_t max_bits, float l1, int64_t ag, int64_t l1max) {
+  if ((max_bits >> 23) >= 255) return INT32_MIN;
+  int s = std::max(static_cast<int>(max_bits >> 23) - 127, -100) - 14;
   if (l1max <= 0) return s;
   if (!std::isfinite(l1)) return INT32_MIN;
   const float t = static_cast<float>(l1max - ag / 2) * (1.0f - 0x1p-10f);

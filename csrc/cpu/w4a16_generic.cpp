@@ -75,9 +75,7 @@ bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int
         mx = std::max(mx, u & 0x7fffffffu);
         if (l1max > 0) l1 += std::fabs(v);
       }
-      if ((mx >> 23) >= 255) return false;
-      const int e = std::max(static_cast<int>(mx >> 23) - 127, -100);
-      const int s = quant_x16_exponent(e, l1, ag, l1max);
+      const int s = quant_x16_exponent(mx, l1, ag, l1max);
       if (s == INT32_MIN) return false;
       const float inv = std::ldexp(1.0f, -s);
       xs[m * nab + b] = std::ldexp(1.0f, s);
