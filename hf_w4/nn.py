@@ -35,6 +35,10 @@ class QuantLinear(nn.Module):
         self.kernel = None
         self.kernel_reasons: Dict[str, str] = {}
         self._dropped: Dict[str, Tuple[tuple, torch.dtype]] = {}  # checkpoint tensors only the kernel holds
+        self._kernel_request: Optional[tuple] = None  # select_kernel's arguments, to repack after load_state_dict
+        # set once check_loaded has passed: a plain attribute, so copies (deepcopy, pickle) and parameters
+        # re-registered later (a new kernel, load_state_dict) keep it; transformers' own mark does not survive them
+        self._loaded = False
 
     # -- tensors
     def checkpoint_tensors(self) -> Dict[str, torch.Tensor]:
@@ -77,9 +81,10 @@ class QuantLinear(nn.Module):
             if p.device.type == "meta":
                 raise layouts.LayoutError(f"{self.name}.{t}: still on the meta device after loading "
                                           "(disk offload is not supported for quantized modules)")
-            if not getattr(p, "_is_hf_initialized", False):
+            if not self._loaded and not getattr(p, "_is_hf_initialized", False):
                 raise layouts.LayoutError(f"{self.name}.{t}: missing from the checkpoint (expected {tuple(p.shape)} "
                                           f"{p.dtype}); refusing to run on uninitialised memory")
+        self._loaded = True
 
     # -- kernel
     def select_kernel(self, dtype: torch.dtype, force: Optional[str] = None, deny: Sequence[str] = ()) -> None:
@@ -93,6 +98,7 @@ class QuantLinear(nn.Module):
         kernel = cls(self.spec, self.out_features, self.in_features)
         kernel.prepare(self, qw)
         self.kernel = kernel
+        self._kernel_request = (dtype, force, tuple(deny))
         # hold the packed weight once: the kernel's copy stands in for the checkpoint's code tensor if it can
         code = layouts.CODE_TENSOR.get(self.spec.layout)
         keep = os.environ.get("HF_W4_KEEP_CHECKPOINT_TENSORS", "") not in ("", "0")
@@ -111,14 +117,19 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        for t in self._dropped:
-            if prefix + t in state_dict:
-                raise layouts.LayoutError(
-                    f"{self.name}.{t}: the {self.kernel} kernel holds this module's packed weight (its checkpoint "
-                    "copy was dropped after the repack), so load_state_dict cannot replace it; load the checkpoint "
-                    "with from_pretrained, or set HF_W4_KEEP_CHECKPOINT_TENSORS=1 before loading")
+        # a dropped code tensor in the state dict comes back as a parameter to load into; either way the kernel is
+        # repacked afterwards from the new tensors (forward, state_dict and dequantize must keep agreeing)
+        for t in [t for t in self._dropped if prefix + t in state_dict]:
+            v = self._rebuild(t)
+            del self._dropped[t]
+            self.register_parameter(t, nn.Parameter(v, requires_grad=False))
+        n_err = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        touched = any(prefix + t in state_dict for t in self.tensor_names + ("bias",))
+        if self.kernel is not None and touched and len(error_msgs) == n_err:
+            dtype, force, deny = self._kernel_request
+            self.select_kernel(dtype, force=force, deny=deny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

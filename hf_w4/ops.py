@@ -169,3 +169,111 @@ def int8_gemm(x, packed, scales, zeros, weight_type, n, k, group_size, perm=None
     _ext.load()
     return torch.ops.hf_w4.int8_gemm(x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size,
                                      act_group, isa)
+
+
+# ---- the kernel layouts read back in torch (the kernels' unpack_codes and the ops' input gradients)
+def w4a16_codes(qpack: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """cpu_w4a16 layout -> codes [N, K] (uint8 0..15) in the kernel's column order. qpack [P, K/2, 32]: byte i of
+    k-pair j holds code(32p + i/2, 2j + i%2) in its low nibble and code(32p + 16 + i/2, 2j + i%2) in its high one."""
+    out = torch.empty(qpack.shape[0] * 32, k, dtype=torch.uint8, device=qpack.device)
+
+    def half(h):  # [p, j, c, parity] -> [p, c, j, parity] = [p, 16 columns, K]
+        return h.view(-1, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, 16, k)
+    for p0 in range(0, qpack.shape[0], 64):  # 64 panels (2048 rows) at a time
+        b = qpack[p0:p0 + 64]
+        out[p0 * 32:(p0 + b.shape[0]) * 32] = torch.cat([half(b & 15), half(b >> 4)], 1).reshape(-1, k)
+    return out[:n]
+
+
+def int8_codes(packed: torch.Tensor, weight_type: str, n: int, k: int, group_size: int) -> torch.Tensor:
+    """int8 kernel layout -> [N, K] in the kernel's column order: int8 values (int16) or int4 codes 0..15 (uint8).
+    Panels of 64 columns; each group padded to Gp = roundup(gs, 8) packed columns; int8: quads of 256 bytes, byte
+    4n + kk of quad q = w[64p + n][4q + kk] + 128; int4: byte i of quad pair q2 holds byte i of quads 2q2 (low
+    nibble) and 2q2 + 1 (high)."""
+    gs = group_size if group_size and group_size > 0 else k
+    G, Gp = k // gs, (gs + 7) // 8 * 8
+    P, Kp = packed.shape[0], G * Gp
+    if weight_type == "int8":
+        quads = packed.view(P, Kp // 4, 64, 4).to(torch.int16) - 128
+    else:
+        pairs = packed.view(P, Kp // 8, 256)
+        quads = torch.stack([pairs & 15, pairs >> 4], 2).view(P, Kp // 4, 64, 4)
+    return quads.permute(0, 2, 1, 3).reshape(P * 64, Kp)[:n].view(n, G, Gp)[:, :, :gs].reshape(n, k)
+
+
+def _unpermute(w: torch.Tensor, perm) -> torch.Tensor:  # kernel column k' is the checkpoint's column perm[k']
+    if perm is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
+
+
+def w4a16_dense(qpack, scales, zs, perm, n: int, group_size: int, weight_type: str,
+                global_scale: float = 1.0) -> torch.Tensor:
+    """The dense fp32 weight [N, K] (checkpoint column order) that cpu_w4a16_gemm multiplies by."""
+    k = qpack.shape[1] * 2
+    c = w4a16_codes(qpack, n, k)
+    rep = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
+    if weight_type == "nvfp4":
+        from .layouts import e2m1_decode, fp8_decode
+        w = e2m1_decode(c) * rep(fp8_decode(scales)) * global_scale
+    elif zs.numel():
+        w = c.float() * rep(scales) - rep(zs)
+    else:
+        w = (c.float() - 8.0) * rep(scales)
+    return _unpermute(w, perm)
+
+
+def int8_dense(packed, scales, zeros, perm, weight_type: str, n: int, k: int, group_size: int) -> torch.Tensor:
+    """The dense fp32 weight [N, K] (checkpoint column order) that int8_gemm multiplies the quantized x by."""
+    c = int8_codes(packed, weight_type, n, k, group_size).float()
+    rep = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
+    if weight_type == "int4":
+        c = c - (rep(zeros).float() if zeros is not None and zeros.numel() else 8.0)
+    return _unpermute(c * rep(scales), perm)
+
+
+# ---- input gradients: grad_x = grad_y @ W with W dequantized from the kernel layout for the backward (the
+# weights themselves are frozen: integer codes). The int8 ops pass the gradient straight through the activation
+# quantization, as compressed-tensors' fake-quantized forward does in training (round has an STE there).
+def _linear_backward(ctx, grad, dense):
+    gx = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = (grad.reshape(-1, grad.shape[-1]).float() @ dense()).to(ctx.x_dtype).reshape(ctx.x_shape)
+    if ctx.needs_bias_grad:
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+    return gx, gb
+
+
+def _w4a16_setup(ctx, inputs, output):
+    x, qpack, scales, zs, perm, bias, n, group_size, weight_type, global_scale = inputs[:10]
+    ctx.save_for_backward(qpack, scales, zs, perm)
+    ctx.x_dtype, ctx.x_shape, ctx.n, ctx.gs, ctx.wt, ctx.gscale = x.dtype, x.shape, n, group_size, weight_type, \
+        global_scale
+    ctx.needs_bias_grad = bias is not None and ctx.needs_input_grad[5]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _w4a16_backward(ctx, grad):
+    q, s, z, perm = ctx.saved_tensors
+    gx, gb = _linear_backward(ctx, grad, lambda: w4a16_dense(q, s, z, perm, ctx.n, ctx.gs, ctx.wt, ctx.gscale))
+    return gx, None, None, None, None, gb, None, None, None, None, None, None
+
+
+def _int8_setup(ctx, inputs, output):
+    x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size = inputs[:10]
+    ctx.save_for_backward(packed, scales, zeros, perm)
+    ctx.x_dtype, ctx.x_shape, ctx.wt, ctx.n, ctx.k, ctx.gs = x.dtype, x.shape, weight_type, n, k, group_size
+    ctx.needs_bias_grad = bias is not None and ctx.needs_input_grad[5]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _int8_backward(ctx, grad):
+    p, s, z, perm = ctx.saved_tensors
+    gx, gb = _linear_backward(ctx, grad, lambda: int8_dense(p, s, z, perm, ctx.wt, ctx.n, ctx.k, ctx.gs))
+    return gx, None, None, None, None, gb, None, None, None, None, None, None
+
+
+torch.library.register_autograd("hf_w4::cpu_w4a16_gemm", _w4a16_backward, setup_context=_w4a16_setup)
+torch.library.register_autograd("hf_w4::int8_gemm", _int8_backward, setup_context=_int8_setup)

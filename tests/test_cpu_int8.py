@@ -355,6 +355,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.hf_w4.int8_gemm, (x, p, s, z, None, None, "int4", 64, 256, 64, False, ""))
     torch.library.opcheck(torch.ops.hf_w4.int8_gemm,
                           (x.float(), p, s, z, None, torch.randn(64), "int4", 64, 256, 64, True, "generic"))
+    torch.library.opcheck(torch.ops.hf_w4.int8_gemm,  # the registered autograd formula
+                          (x.float().requires_grad_(), p, s, z, None, torch.randn(64, requires_grad=True), "int4", 64,
+                           256, 64, False, ""))
     spec8, q8 = make_qweight("w8a8", 64, 128, -1, seed=1)
     a8 = (q8.codes, "int8", 0, list(q8.slots), q8.scales, None, None, 64, 128, 128)
     torch.library.opcheck(torch.ops.hf_w4.int8_repack, a8)

@@ -205,6 +205,10 @@ def test_opcheck():
                                                "nvfp4")
     torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_gemm,
                           (torch.randn(2, 256), q, s, z, None, torch.randn(64), 64, 16, "nvfp4", 0.5, "", -1))
+    # the registered autograd formula (input and bias gradients)
+    torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_gemm, (torch.randn(2, 256, requires_grad=True), q, s, z, None,
+                                                           torch.randn(64, requires_grad=True), 64, 16, "nvfp4", 0.5,
+                                                           "", -1))
     torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_quant_x16, (torch.randn(3, 256, dtype=torch.bfloat16), 32, 0, ""))
 
 
