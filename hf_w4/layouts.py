@@ -119,19 +119,23 @@ def unpack_codes(qw: QWeight) -> torch.Tensor:
     return unpack_nibbles(qw.codes, 0, qw.slots).to(torch.int64)
 
 
-def act_order_perm(g_idx: torch.Tensor, group_size: int) -> Optional[torch.Tensor]:
+def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "<module>") -> Optional[torch.Tensor]:
     """Permutation of K that makes groups contiguous (None if they already are).
 
-    Raises NotImplementedError when the groups are not all of ``group_size`` columns."""
+    Raises NotImplementedError naming ``<name>.g_idx`` when the groups are not all of ``group_size`` columns."""
     k = g_idx.numel()
     g = g_idx.to(torch.int64)
     if torch.equal(g, torch.arange(k) // group_size):
         return None
     perm = torch.argsort(g, stable=True)
     if not torch.equal(g[perm], torch.arange(k) // group_size):
+        values, counts = torch.unique(g, return_counts=True)
+        odd = (counts != group_size).nonzero()
+        found = (f"group {int(values[odd[0]])} has {int(counts[odd[0]])} columns" if odd.numel() else
+                 f"it uses the group indices {values.tolist()[:8]}{'...' if values.numel() > 8 else ''}")
         raise NotImplementedError(
-            f"g_idx assigns groups of unequal size (expected {group_size} columns per group); "
-            "only act-order permutations of equal groups are supported")
+            f"{name}.g_idx: assigns groups of unequal size ({found}; expected groups 0..{k // group_size - 1} of "
+            f"{group_size} columns each, K={k}); only act-order permutations of equal groups are supported")
     return perm
 
 
@@ -284,12 +288,21 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
         if L == "ct_nvfp4":
             gsc = t["weight_global_scale"]
             _finite(name, "weight_global_scale", gsc)
-            if float(gsc.reshape(-1)[0]) == 0.0:
-                raise LayoutError(f"{name}.weight_global_scale: found 0, expected a non-zero divisor")
+            # compressed-tensors writes 448*6/amax(W) (clamped to the fp32 max for an all-zero W): always > 0. A
+            # negative divisor would silently flip the sign of every weight, 0 has no meaning
+            if not float(gsc.reshape(-1)[0]) > 0.0:
+                raise LayoutError(f"{name}.weight_global_scale: found {float(gsc.reshape(-1)[0])}, expected a "
+                                  "positive divisor (compressed-tensors writes 448*6/amax(W))")
             glob = 1.0 / float(gsc.reshape(-1)[0])
         else:
             _finite(name, "weight_scale_2", t["weight_scale_2"])
             glob = float(t["weight_scale_2"].reshape(-1)[0])
+            # ModelOpt writes amax(W)/(6*448) >= 0. A negative multiplier would silently flip the sign of every
+            # weight; 0 is what ModelOpt writes for an all-zero weight and dequantizes to exactly those zeros, so it
+            # stays accepted
+            if glob < 0.0:
+                raise LayoutError(f"{name}.weight_scale_2: found {glob}, expected a multiplier >= 0 "
+                                  "(ModelOpt writes amax(W)/(6*448))")
         packed = t[key]
         codes = packed.contiguous().view(torch.int32)  # little-endian: low nibble of byte j = column 2j
         return QWeight("nvfp4", n, k, 16, codes, "k", SEQ_SLOTS, t["weight_scale"].view(torch.uint8), None, glob)

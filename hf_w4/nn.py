@@ -90,12 +90,15 @@ class QuantLinear(nn.Module):
     def select_kernel(self, dtype: torch.dtype, force: Optional[str] = None, deny: Sequence[str] = ()) -> None:
         tensors = {t: v.data for t, v in self.checkpoint_tensors().items()}  # before the old kernel's buffers go
         device = next(iter(tensors.values())).device
-        cls, self.kernel_reasons = registry.select(self.spec, self.out_features, self.in_features, device, dtype,
-                                                   force=force, deny=deny, name=self.name)
         qw = layouts.to_qweight(self.spec, tensors, self.out_features, self.in_features, self.name)
+        # a stored g_idx that only says "groups in order" (GPTQ writes one even without act-order) is dropped by
+        # to_qweight: kernels without act-order support can take the layer
+        spec = self.spec.replace(has_g_idx=False) if self.spec.has_g_idx and qw.g_idx is None else self.spec
+        cls, self.kernel_reasons = registry.select(spec, self.out_features, self.in_features, device, dtype,
+                                                   force=force, deny=deny, name=self.name)
         for b in list(self._buffers):
             del self._buffers[b]
-        kernel = cls(self.spec, self.out_features, self.in_features)
+        kernel = cls(spec, self.out_features, self.in_features)
         kernel.prepare(self, qw)
         self.kernel = kernel
         self._kernel_request = (dtype, force, tuple(deny))

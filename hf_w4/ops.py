@@ -201,7 +201,7 @@ def int8_codes(packed: torch.Tensor, weight_type: str, n: int, k: int, group_siz
     return quads.permute(0, 2, 1, 3).reshape(P * 64, Kp)[:n].view(n, G, Gp)[:, :, :gs].reshape(n, k)
 
 
-def _unpermute(w: torch.Tensor, perm) -> torch.Tensor:  # kernel column k' is the checkpoint's column perm[k']
+def unpermute(w: torch.Tensor, perm) -> torch.Tensor:  # kernel column k' is the checkpoint's column perm[k']
     if perm is None:
         return w
     out = torch.empty_like(w)
@@ -222,7 +222,7 @@ def w4a16_dense(qpack, scales, zs, perm, n: int, group_size: int, weight_type: s
         w = c.float() * rep(scales) - rep(zs)
     else:
         w = (c.float() - 8.0) * rep(scales)
-    return _unpermute(w, perm)
+    return unpermute(w, perm)
 
 
 def int8_dense(packed, scales, zeros, perm, weight_type: str, n: int, k: int, group_size: int) -> torch.Tensor:
@@ -231,7 +231,7 @@ def int8_dense(packed, scales, zeros, perm, weight_type: str, n: int, k: int, gr
     rep = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
     if weight_type == "int4":
         c = c - (rep(zeros).float() if zeros is not None and zeros.numel() else 8.0)
-    return _unpermute(c * rep(scales), perm)
+    return unpermute(c * rep(scales), perm)
 
 
 # ---- input gradients: grad_x = grad_y @ W with W dequantized from the kernel layout for the backward (the

@@ -400,10 +400,10 @@ def test_kernel_class_prepare_apply():
 def test_registry_selects_and_rejects():
     dev = torch.device("cpu")
     spec, _ = make_qweight("w8a8", 64, 128, -1)
-    cls, _ = registry.select(spec, 64, 128, dev, torch.bfloat16, deny=("zentorch",))
+    cls, _ = registry.select(spec, 64, 128, dev, torch.bfloat16, deny=("zentorch_int8", "zentorch_w4a16"))
     assert cls.NAME == "cpu_int8"
     spec4 = W4Spec("gptq", "gptq", "int4", 4, 128, True, act="int8_token")
-    cls, _ = registry.select(spec4, 64, 256, dev, torch.float32, deny=("zentorch",))
+    cls, _ = registry.select(spec4, 64, 256, dev, torch.float32, deny=("zentorch_int8", "zentorch_w4a16"))
     assert cls.NAME == "cpu_int8"
     from hf_w4.kernels.cpu_int8 import CpuInt8Kernel
     ok, why = CpuInt8Kernel.can_implement(spec4.replace(act="none"), 64, 256, dev, torch.bfloat16)

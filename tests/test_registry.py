@@ -29,6 +29,11 @@ def test_force_and_deny(monkeypatch):
     assert all("disabled" in reasons[n] for n in others)
     with pytest.raises(ValueError, match="unknown kernel 'nope'"):
         registry.select(SPEC, 256, 256, CPU, torch.float32, force="nope")
+    with pytest.raises(ValueError, match="disabled_kernels / HF_W4_DISABLED_KERNELS: unknown kernel 'cpu-w4a16'"):
+        registry.select(SPEC, 256, 256, CPU, torch.float32, deny=("cpu-w4a16",))
+    monkeypatch.setenv("HF_W4_DISABLED_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="unknown kernel 'bogus'"):
+        registry.select(SPEC, 256, 256, CPU, torch.float32)
 
 
 def test_env_knobs(monkeypatch):

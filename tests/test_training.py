@@ -103,3 +103,19 @@ def test_deepcopy_and_reselected_kernel_save(written, tmp_path, fmt, opts):
         again = AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32)
         with torch.no_grad():
             assert torch.allclose(again(tok).logits, y, atol=1e-4), d
+
+
+def test_in_order_g_idx_does_not_count_as_act_order(written):
+    """GPTQ stores a g_idx even without act-order; an in-order one must not turn away kernels without act-order."""
+    model = AutoModelForCausalLM.from_pretrained(written("gptq", dict(sym=True)).path, dtype=torch.bfloat16)
+    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert any("g_idx" in m.tensor_names for m in qls)
+    for m in qls:
+        assert "act-order" not in m.kernel_reasons.get("zentorch_w4a16", ""), m.kernel_reasons
+        m.select_kernel(torch.bfloat16, deny=("cpu_w4a16", "cpu_int8"))
+        assert "act-order" not in m.kernel_reasons.get("zentorch_w4a16", ""), m.kernel_reasons
+    act = AutoModelForCausalLM.from_pretrained(written("gptq", dict(sym=True, desc_act=True)).path,
+                                               dtype=torch.bfloat16)
+    m = next(m for m in act.modules() if isinstance(m, QuantLinear))
+    m.select_kernel(torch.bfloat16, deny=("cpu_w4a16", "cpu_int8"))
+    assert "act-order" in m.kernel_reasons["zentorch_w4a16"], m.kernel_reasons

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .spec import FormatConfig, W4Spec
-from ._common import blocks_of, check_bits, group_of
+from ._common import blocks_of, check_bits, group_of, names_of
 
 SUPPORTED_VERSIONS = ("gemm",)
 
@@ -15,6 +15,10 @@ def parse(q: dict) -> FormatConfig:
     spec = W4Spec(method="awq", layout="awq", weight_type="int4", bits=4,
                   group_size=group_of("awq", q, q.get("q_group_size", 128)),
                   sym=not bool(q.get("zero_point", True)))
-    skip = tuple(q.get("modules_to_not_convert") or ())
+    # AutoAWQ leaves a Linear dense when any entry is a substring of its name (``exclude_layers_to_not_quantize``:
+    # ``any(key in name for key in modules_to_not_convert)``; transformers 4's AWQ integration did the same on the
+    # full name). A substring also covers the module prefixes ("model.layers.0", "visual") and suffixes
+    # ("mlp.gate") that transformers 5 accepts; its regex entries are not AutoAWQ's and are not read as such.
+    skip = tuple("sub:" + n for n in names_of("awq", "modules_to_not_convert", q.get("modules_to_not_convert")))
     return FormatConfig("awq", spec, rules=[(skip, None)] if skip else [],
                         blocks=blocks_of(q.get("to_quant_block_names") or q.get("block_name_to_quantize")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from .spec import FormatConfig, W4Spec
+from ._common import check_regex, names_of
 
 logger = logging.getLogger("hf_w4")
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "nvfp4-pack-quantized")
@@ -62,6 +63,19 @@ def _spec(group: str, g: dict, top_format) -> W4Spec:
     return W4Spec("compressed-tensors", "ct_int", "int8", bits, gs, True, act=act)
 
 
+def _patterns(key: str, entries) -> tuple:
+    """compressed-tensors' ``is_match`` (``compressed_tensors/utils/match.py``): an entry is ``re:<regex>``
+    (``re.match``, anchored at the start of the module name), else the exact module name or a class name of the
+    module (along its MRO, so "Linear" selects every Linear). No suffix or glob matching."""
+    out = []
+    for e in names_of("compressed-tensors", key, entries):
+        if e.startswith("re:"):
+            out.append("re:" + check_regex("compressed-tensors", key, e[3:]))
+        else:
+            out += ["name:" + e, "class:" + e]
+    return tuple(out)
+
+
 def parse(q: dict) -> FormatConfig:
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
@@ -74,11 +88,11 @@ def parse(q: dict) -> FormatConfig:
     if q.get("kv_cache_scheme"):
         logger.warning("hf_w4: compressed-tensors kv_cache_scheme is ignored (the KV cache stays in the model dtype)")
     rules = []
-    ignore = tuple(q.get("ignore") or ())
+    ignore = _patterns("ignore", q.get("ignore"))
     if ignore:
         rules.append((ignore, None))
     for name, g in (q.get("config_groups") or {}).items():
-        rules.append((tuple(g.get("targets") or ()), _spec(name, g, q.get("format"))))
+        rules.append((_patterns(f"{name}.targets", g.get("targets")), _spec(name, g, q.get("format"))))
     if len(rules) == (1 if ignore else 0):
         raise ValueError("compressed-tensors config has no config_groups: nothing is quantized")
     return FormatConfig("compressed-tensors", None, rules=rules)

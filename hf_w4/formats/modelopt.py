@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from .spec import FormatConfig, W4Spec
+from ._common import names_of
 
 logger = logging.getLogger("hf_w4")
 # quant_algo -> has input_scale tensors (NVFP4 = W4A4 checkpoints, served weight-only)
@@ -27,6 +28,10 @@ def parse(q: dict) -> FormatConfig:
     if ALGOS[algo]:
         logger.info("hf_w4: modelopt NVFP4 (W4A4) is served weight-only; input_scale is loaded and kept, not applied")
     spec = W4Spec("modelopt", "modelopt_nvfp4", "nvfp4", 4, 16, True, has_input_scale=ALGOS[algo])
-    skip = tuple(q.get("exclude_modules") or q.get("ignore") or ())
+    # ModelOpt's exclude_modules are fnmatch wildcards (it writes full names and "module_path*" for a whole
+    # subtree); vLLM matches them with fnmatch. A bare name also selects its submodules and dotted suffixes: older
+    # exports name parent modules without the "*", which vLLM still catches with a substring fallback
+    skip = tuple("glob:" + n for n in names_of("modelopt", "exclude_modules",
+                                               q.get("exclude_modules") or q.get("ignore")))
     # ModelOpt quantizes every Linear it does not exclude, lm_head included
     return FormatConfig("modelopt", spec, rules=[(skip, None)] if skip else [], quantize_lm_head=True)

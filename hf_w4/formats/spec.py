@@ -77,23 +77,58 @@ class W4Spec:
         return " ".join(parts)
 
 
-def _match(pattern: str, name: str) -> bool:
-    """compressed-tensors / ModelOpt style matching: ``re:<regex>`` or a glob / exact / suffix name."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return name == pattern or name.endswith("." + pattern)
+def _match(pattern: str, name: str, cls_name: str = "Linear") -> bool:
+    """Does one config pattern select the module ``name`` (of class ``cls_name``)?
+
+    Producers disagree on what an entry of an ignore / target list means, so each parser prefixes its entries with
+    the rule of the library that wrote (and itself loads) the checkpoint:
+
+    * ``re:<regex>``: ``re.match``, i.e. anchored at the start of the name (compressed-tensors, gptqmodel ``dynamic``);
+    * ``search:<regex>``: ``re.search``, anywhere in the name (auto-round's loader: ``extra_config`` regex keys,
+      ``modules_to_not_convert``, ``modules_in_block_to_quantize``);
+    * ``sub:<text>``: plain substring (AutoAWQ ``modules_to_not_convert``: ``any(key in name ...)``);
+    * ``suffix:<text>``: plain ``str.endswith`` (optimum's GPTQ ``modules_in_block_to_quantize``);
+    * ``name:<name>``: that exact module name (compressed-tensors, auto-round's exact ``extra_config`` keys);
+    * ``class:<Class>``: the module's class; every module asked about is an ``nn.Linear`` and compressed-tensors
+      matches classes along the MRO, so ``class:Linear`` selects them all;
+    * ``glob:<pattern>``: ModelOpt ``exclude_modules``: fnmatch wildcards (ModelOpt writes ``module_path*``), else
+      the exact name, a parent module of it or a dotted suffix (older ModelOpt exports list parent modules without
+      the ``*``, which vLLM also accepts);
+    * no prefix (configs built by hand): a glob, the exact name, a dotted suffix of it, or the class name.
+    """
+    kind, sep, p = pattern.partition(":")
+    if not sep:
+        if any(c in pattern for c in "*?["):
+            return fnmatch.fnmatchcase(name, pattern)
+        return name == pattern or name.endswith("." + pattern) or pattern == cls_name
+    if kind == "re":
+        return re.match(p, name) is not None
+    if kind == "search":
+        return re.search(p, name) is not None
+    if kind == "sub":
+        return p in name
+    if kind == "suffix":
+        return name.endswith(p)
+    if kind == "name":
+        return name == p
+    if kind == "class":
+        return p in (cls_name, "Linear")
+    if kind == "glob":
+        if any(c in p for c in "*?["):
+            return fnmatch.fnmatchcase(name, p)
+        return name == p or name.startswith(p + ".") or name.endswith("." + p)
+    raise ValueError(f"unknown module pattern kind {kind!r} in {pattern!r}")
 
 
 @dataclass
 class FormatConfig:
     """A parsed checkpoint config: default spec plus per-module rules.
 
-    ``rules`` are tried in order: (patterns, spec-or-None); the first rule with a matching pattern
-    wins; ``None`` means "leave this module dense". ``default`` applies to any other Linear inside
+    ``rules`` are tried in order: (patterns, spec-or-None); the first rule with a matching pattern (see
+    :func:`_match`) wins; ``None`` means "leave this module dense". ``default`` applies to any other Linear inside
     ``blocks`` (None = everywhere except ``lm_head``). ``lm_head`` is only quantized when a rule or
-    ``quantize_lm_head`` says so.
+    ``quantize_lm_head`` says so. ``block_modules`` (GPTQ ``modules_in_block_to_quantize``): a Linear inside the
+    blocks that matches none of these patterns stays dense, whatever the rules say.
     """
 
     method: str
@@ -102,13 +137,21 @@ class FormatConfig:
     blocks: Optional[tuple] = None                   # module name prefixes that hold quantized layers
     quantize_lm_head: bool = False
     class_targets: Optional[tuple] = None            # class names a default applies to (CT "Linear")
+    block_modules: Optional[tuple] = None            # patterns of the block Linears that are quantized (None = all)
 
     def spec_for(self, name: str, cls_name: str = "Linear") -> Optional[W4Spec]:
+        lm_head = name == "lm_head" or name.endswith(".lm_head")
+        # block prefixes end at a module boundary ("model.layers.1" is not a prefix of "model.layers.10"); optimum and
+        # auto-round compare with a bare startswith, which only differs for names no producer writes
+        in_blocks = self.blocks is None or any(name == b or name.startswith(b + ".") for b in self.blocks)
+        if (self.block_modules is not None and in_blocks and not lm_head
+                and not any(_match(p, name, cls_name) for p in self.block_modules)):
+            return None
         for patterns, spec in self.rules:
-            if any(_match(p, name) or (p == cls_name) for p in patterns):
+            if any(_match(p, name, cls_name) for p in patterns):
                 return spec
-        if name == "lm_head" or name.endswith(".lm_head"):
+        if lm_head:
             return self.default if self.quantize_lm_head else None
-        if self.blocks is not None and not any(name == b or name.startswith(b + ".") for b in self.blocks):
+        if not in_blocks:
             return None
         return self.default

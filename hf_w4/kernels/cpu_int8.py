@@ -62,7 +62,7 @@ class CpuInt8Kernel(Kernel):
         from .. import ops
         perm = None
         if qw.g_idx is not None:
-            perm = layouts.act_order_perm(qw.g_idx, qw.group_size)
+            perm = layouts.act_order_perm(qw.g_idx, qw.group_size, getattr(layer, "name", "<module>"))
             if perm is not None and self.spec.act == "int8_group":
                 raise NotImplementedError(f"{self.NAME}: int8_group activations with an act-order g_idx")
         # int4 values held in int8 (compressed-tensors W4A8) run on the int4 layout: half the bytes
@@ -80,28 +80,17 @@ class CpuInt8Kernel(Kernel):
     CAN_UNPACK_CODES = True
 
     def unpack_codes(self, layer: torch.nn.Module) -> torch.Tensor:
-        """Inverse of the repack (csrc/cpu/int8_gemm.h): panels of 64 columns; each group padded to Gp = roundup(gs, 8)
-        packed columns; int8: quads of 256 bytes, byte 4n + kk of quad q = w[64p + n][4q + kk] + 128; int4: byte
-        i of quad pair q2 holds byte i of quads 2q2 (low nibble) and 2q2 + 1 (high). Returns int4 codes 0..15
-        (uint8), or int8 values (int8; also for int4 values held in int8, stored here as codes v + 8)."""
-        b, n, k = layer.int8_packed, self.n, self.k
-        gs = self.group_size if self.group_size and self.group_size > 0 else k
-        G, Gp = k // gs, (gs + 7) // 8 * 8
-        P, Kp = b.shape[0], G * Gp
-        if self.weight_type == "int8":
-            quads = b.view(P, Kp // 4, 64, 4).to(torch.int16) - 128
-        else:
-            pairs = b.view(P, Kp // 8, 256)
-            quads = torch.stack([pairs & 15, pairs >> 4], 2).view(P, Kp // 4, 64, 4)
-        w = quads.permute(0, 2, 1, 3).reshape(P * 64, Kp)[:n].view(n, G, Gp)[:, :, :gs].reshape(n, k)
+        """Inverse of the repack (``ops.int8_codes``). Returns int4 codes 0..15 (uint8), or int8 values (int8; also
+        for int4 values held in int8, stored here as codes v + 8)."""
+        from .. import ops
+        w = ops.int8_codes(layer.int8_packed, self.weight_type, self.n, self.k, self.group_size)
         if self.weight_type == "int8" or self.as_int4:
             w = (w.to(torch.int16) - (8 if self.as_int4 else 0)).to(torch.int8)
-        if layer.int8_perm is not None:
-            orig = torch.empty_like(w)
-            orig[:, layer.int8_perm] = w
-            w = orig
-        return w
+        return ops.unpermute(w, layer.int8_perm)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.shape[-1] != self.k:   # the op's own check names no layer
+            raise RuntimeError(f"{getattr(layer, 'name', '<module>')}: input has {x.shape[-1]} features (shape "
+                               f"{list(x.shape)}), expected in_features K={self.k}")
         return torch.ops.hf_w4.int8_gemm(x, layer.int8_packed, layer.int8_scales, layer.int8_zeros, layer.int8_perm,
                                          bias, self.weight_type, self.n, self.k, self.group_size, self.act_group, "")

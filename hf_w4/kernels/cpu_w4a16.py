@@ -68,7 +68,7 @@ class CpuW4A16Kernel(Kernel):
         from .. import ops
         perm = None
         if qw.g_idx is not None:
-            perm = layouts.act_order_perm(qw.g_idx, qw.group_size)
+            perm = layouts.act_order_perm(qw.g_idx, qw.group_size, getattr(layer, "name", "<module>"))
         q, s, z = ops.cpu_w4a16_repack(qw, perm)
         layer.register_buffer("w4a16_qpack", q, persistent=False)
         layer.register_buffer("w4a16_scales", s, persistent=False)
@@ -81,25 +81,16 @@ class CpuW4A16Kernel(Kernel):
     CAN_UNPACK_CODES = True
 
     def unpack_codes(self, layer: torch.nn.Module) -> torch.Tensor:
-        """Inverse of the repack's code placement (csrc/cpu/w4a16.h): qpack [P, K/2, 32], byte i of k-pair j holds
-        code(32p + i/2, 2j + i%2) in its low nibble and code(32p + 16 + i/2, 2j + i%2) in its high one; with an
-        act-order permutation the kernel's column k' is the checkpoint's column perm[k']."""
-        q, k = layer.w4a16_qpack, self.k
-        out = torch.empty(q.shape[0] * 32, k, dtype=torch.uint8, device=q.device)
-
-        def half(h):  # [p, j, c, parity] -> [p, c, j, parity] = [p, 16 columns, K]
-            return h.view(-1, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, 16, k)
-        for p0 in range(0, q.shape[0], 64):  # 64 panels (2048 rows) at a time
-            b = q[p0:p0 + 64]
-            out[p0 * 32:(p0 + b.shape[0]) * 32] = torch.cat([half(b & 15), half(b >> 4)], 1).reshape(-1, k)
-        codes = out[:self.n]
-        if layer.w4a16_perm is not None:
-            orig = torch.empty_like(codes)
-            orig[:, layer.w4a16_perm] = codes
-            codes = orig
-        return codes
+        """Inverse of the repack's code placement (``ops.w4a16_codes``); with an act-order permutation the kernel's
+        column k' is the checkpoint's column perm[k']."""
+        from .. import ops
+        codes = ops.w4a16_codes(layer.w4a16_qpack, self.n, self.k)
+        return ops.unpermute(codes, layer.w4a16_perm)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if x.shape[-1] != self.k:   # else the op's reshape fails with a message that names neither layer nor K
+            raise RuntimeError(f"{getattr(layer, 'name', '<module>')}: input has {x.shape[-1]} features (shape "
+                               f"{list(x.shape)}), expected in_features K={self.k}")
         lead = x.shape[:-1]
         y = torch.ops.hf_w4.cpu_w4a16_gemm(
             x.reshape(-1, self.k), layer.w4a16_qpack, layer.w4a16_scales, layer.w4a16_zs, layer.w4a16_perm, bias,

@@ -76,6 +76,11 @@ def select(spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtyp
     if force == "auto":
         force = None
     deny = set(deny) | set(_env_list("HF_W4_DISABLED_KERNELS"))
+    for d in deny:  # a misspelt name would otherwise disable nothing, silently
+        try:
+            by_name(d)
+        except ValueError as e:
+            raise ValueError(f"disabled_kernels / HF_W4_DISABLED_KERNELS: {e}") from None
     device = torch.device(device)
     reasons: Dict[str, str] = {}
     if force is not None:

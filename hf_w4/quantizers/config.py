@@ -28,13 +28,25 @@ LOADING_ATTRIBUTES: Dict[str, Any] = {"kernel": "auto", "disabled_kernels": (), 
                                       "compute_dtype": None, "dequantize": False}
 ACTIVATION_MODES = {"auto": None, "none": "none", "int8": "int8_token", "int8_token": "int8_token",
                     "int8_group": "int8_group"}
+# compute_dtype given as a string: the activation dtypes the kernels run (torch's aliases included)
+COMPUTE_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16, "half": torch.float16}
+
+
+def _compute_dtype(value):
+    if isinstance(value, str) and value.replace("torch.", "", 1) in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[value.replace("torch.", "", 1)]
+    if value is None or value in COMPUTE_DTYPES.values():
+        return value
+    raise ValueError(f"compute_dtype={value!r} is not supported; supported: None (the dtype given to from_pretrained), "
+                     f"torch.float32 / torch.bfloat16 / torch.float16 or their names {sorted(COMPUTE_DTYPES)}")
 
 
 def _check(name: str, value):
     if name == "activation" and value not in ACTIVATION_MODES:
         raise ValueError(f"activation={value!r} is not supported; supported: {sorted(ACTIVATION_MODES)}")
-    if name == "compute_dtype" and isinstance(value, str):
-        value = getattr(torch, value.replace("torch.", ""))
+    if name == "compute_dtype":
+        value = _compute_dtype(value)
     if name == "disabled_kernels":
         value = tuple([value] if isinstance(value, str) else value or ())
     return value
