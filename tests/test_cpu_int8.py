@@ -500,3 +500,17 @@ def test_bench_int8_prints_only_its_table(capsys):
     assert bench_int8.main(fast + ["--contenders", "bf16,ours_int4,ours_w4a8"]) == 0
     out = capsys.readouterr().out
     assert "w4a8 vs bf16" in out and "int4 vs bf16" in out
+
+
+def test_bad_perm_is_refused():
+    """The int8 kernels index activations with perm's entries: anything but a permutation of K is an error."""
+    spec, qw = make_qweight("gptq", 64, 256, 64, False, False, seed=0)
+    args = lambda perm: (qw.codes, "int4", 0, list(qw.slots), qw.scales, qw.zeros, perm, 64, 256, 64)
+    p, s, z = torch.ops.hf_w4.int8_repack(*args(None))
+    ident = torch.arange(256)
+    for what, perm in (("out of range", torch.where(ident == 9, -1, ident)), ("repeated", torch.where(ident == 9, 0, ident)),
+                       ("K.256", ident[:100])):
+        with pytest.raises(RuntimeError, match="perm .*" + what):
+            torch.ops.hf_w4.int8_repack(*args(perm))
+        with pytest.raises(RuntimeError, match="perm .*" + what):
+            torch.ops.hf_w4.int8_gemm(torch.randn(2, 256), p, s, z, perm, None, "int4", 64, 256, 64, False, "")

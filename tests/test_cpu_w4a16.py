@@ -337,8 +337,9 @@ def test_amx_raw_group_counts(k, gs, sym):
 
 def quant_x16_ref(x, block, l1max=0):
     """The int16 path's activation quantizer (csrc/cpu/w4a16.h) in torch: per row and block, the scale 2^s with
-    s = (exponent of the block's max |x|, at least -100) - 14, raised while the block's sum of |x| / 2^s exceeds
-    (l1max - block / 2) (1 - 2^-10); xq = x / 2^s rounded half to even, saturated to int16; xd = the sum of xq."""
+    s = (exponent of the block's max |x|; -100 for a zero block) - 14, raised while the block's sum of |x| / 2^s
+    exceeds (l1max - block / 2) (1 - 2^-10); xq = x / 2^s rounded half to even, saturated to int16; xd = the sum of
+    xq. (A nonzero max below 2^-100 is an error there: test_quant_x16_bit_exact.)"""
     xf = x.float()
     m, k = xf.shape
     b = xf.reshape(m, k // block, block)
@@ -362,17 +363,19 @@ def quant_x16_ref(x, block, l1max=0):
 def test_quant_x16_bit_exact(isa, dtype):
     """cpu_w4a16_quant_x16 (the int16 path's activation quantizer; portable, AVX2, AVX-512; rows in parallel from
     16 Ki elements) against quant_x16_ref, bit for bit: blocks of 16 .. 128 and 20 (not a multiple of 16: the portable
-    code on AVX2), rows of 1e-30 .. 1e30 (fp16: 1e-4 .. 1e4), zeros, denormals, exact ties, fp32 values that round up to 32768 (saturated
-    to 32767, and summed as such), a block-sum bound (l1max) that raises the scale, and inf / nan (alone, anywhere in
-    a block: an error)."""
+    code on AVX2), rows of 1e-29 .. 1e29 (fp16: 1e-4 .. 1e4), zeros, fp16-flushed denormals, exact ties, fp32 values
+    that round up to 32768 (saturated to 32767, and summed as such), a block-sum bound (l1max) that raises the scale,
+    and inf / nan or a block whose nonzero max is below 2^-100, denormals included (alone, anywhere in a block: an
+    error; the gemm takes its fp32 path there)."""
     gen = torch.Generator().manual_seed(3)
     for k, block in ((256, 16), (256, 32), (320, 64), (512, 128), (160, 20)):
         for M in (1, 5, 130):
-            span = 4 if dtype == torch.float16 else 30
+            span = 4 if dtype == torch.float16 else 29
             x = torch.randn(M, k, generator=gen) * torch.logspace(-span, span, M)[:, None]
             x[0, :block] = 0.0
             if M > 1:
-                x[1, :block] = torch.randn(block, generator=gen) * 1e-40  # fp32 denormals (zero in bf16 / fp16)
+                if dtype == torch.float16:
+                    x[1, :block] = torch.randn(block, generator=gen) * 1e-40  # zero in fp16
                 x[1, block:2 * block] = torch.arange(block) * 0.5 - block / 4  # 2^-15 steps of 2^14: ties
                 if dtype == torch.float32:
                     x[M - 1, :block] = torch.randn(block, generator=gen)
@@ -384,12 +387,16 @@ def test_quant_x16_bit_exact(isa, dtype):
                 what = f"isa={isa} {dtype} K={k} block={block} M={M} l1max={l1max}"
                 assert torch.equal(xq, rq), (what, int((xq.int() - rq.int()).abs().max()))
                 assert torch.equal(xs, rs) and torch.equal(xd, rd), what
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            for at in (0, block // 2 + 1, block - 1):
-                x = torch.randn(3, k, generator=gen).to(dtype)
-                x[2, k - block + at] = bad
-                with pytest.raises(RuntimeError, match="inf / nan"):
-                    torch.ops.hf_w4.cpu_w4a16_quant_x16(x, block, 0, isa)
+        tiny = () if dtype == torch.float16 else (("below 2\\^-100", 2.0 ** -101, 1e-40),)
+        for match, *bads in (("inf / nan", float("nan"), float("inf"), float("-inf")),) + tiny:
+            for bad in bads:
+                for at in (0, block // 2 + 1, block - 1):
+                    x = torch.randn(3, k, generator=gen).to(dtype)
+                    if bad < 1:  # the only nonzero element of its block
+                        x[2, k - block:] = 0
+                    x[2, k - block + at] = bad
+                    with pytest.raises(RuntimeError, match=match):
+                        torch.ops.hf_w4.cpu_w4a16_quant_x16(x, block, 0, isa)
 
 
 def test_quant_x16_errors():
@@ -761,3 +768,43 @@ def test_int16_path_nvfp4_folded_sum_overflow_falls_back(isa):
     y3 = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=3)
     y0 = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", global_scale=qw.global_scale, isa=isa, path=0)
     assert torch.equal(y3.isnan(), y0.isnan()) and torch.equal(y3.nan_to_num(), y0.nan_to_num())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_tiny_bf16_activations_take_the_fp32_path(isa):
+    """bf16 rows whose block maxima are normal numbers below 2^-100 (or denormals): the int16 path's scale would
+    leave fp32's normal range, so those calls take the fp32 kernel and keep the usual budget (they used to lose bits
+    and, from ~1e-36, give zeros)."""
+    spec, qw = make_qweight("ct_pack", 64, 256, 64, sym=False)
+    q, s, z = ops.cpu_w4a16_repack(qw)
+    W = layouts.dequantize(qw)
+    gen = torch.Generator().manual_seed(5)
+    for scale in (1e-31, 1e-33, 1e-36):  # outputs stay normal bf16 numbers (denormal ones round coarser)
+        x = (torch.randn(3, 256, generator=gen) * scale).bfloat16()
+        ref = F.linear(x.float(), W)
+        for path in (-1, 3):
+            y = ops.cpu_w4a16_gemm(x, q, s, z, 64, 64, "int4", isa=isa, path=path).float()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (scale, path, err)
+
+
+def test_bad_perm_and_isa_are_refused(monkeypatch):
+    """A direct op call with a perm that is not a permutation of K, or an unknown ISA name, is an error (a perm's
+    entries index the activations; an unknown ISA used to run on the best one silently)."""
+    spec, qw = make_qweight("ct_pack", 64, 256, 64)
+    q, s, z = ops.cpu_w4a16_repack(qw)
+    x = torch.randn(2, 256)
+    ident = torch.arange(256)
+    bad = {"out of range": torch.where(ident == 7, 1 << 40, ident), "repeated": torch.where(ident == 7, 3, ident),
+           "K=256": ident[:128]}
+    for what, perm in bad.items():
+        with pytest.raises(RuntimeError, match=r"cpu_w4a16_repack: perm .*" + what.replace("=", ".")):
+            ops.cpu_w4a16_repack(qw, perm)
+        with pytest.raises(RuntimeError, match=r"cpu_w4a16_gemm: perm .*" + what.replace("=", ".")):
+            ops.cpu_w4a16_gemm(x, q, s, z, 64, 64, "int4", perm=perm)
+    with pytest.raises(RuntimeError, match="cpu_w4a16_gemm: isa must be one of '', auto, avx512, avx2, generic; "
+                                           "got 'avx-2'"):
+        ops.cpu_w4a16_gemm(x, q, s, z, 64, 64, "int4", isa="avx-2")
+    monkeypatch.setenv("HF_W4_ISA", "portable")
+    with pytest.raises(RuntimeError, match="HF_W4_ISA must be one of auto, avx512, avx2, generic; got 'portable'"):
+        ops.cpu_w4a16_gemm(x, q, s, z, 64, 64, "int4")

@@ -10,6 +10,7 @@
 
 #include "int8_gemm.h"
 #include "isa.h"
+#include "torch_checks.h"
 
 namespace {
 using namespace hf_w4_int8;
@@ -48,8 +49,7 @@ int check_isa(c10::string_view isa_sv) {
 
 const int64_t* perm_ptr(const std::optional<at::Tensor>& perm, int64_t k, at::Tensor& keep) {
   if (!perm.has_value() || !perm->defined()) return nullptr;
-  TORCH_CHECK(perm->numel() == k, "hf_w4 int8 kernel: perm must have K=", k, " entries, got ", perm->numel());
-  keep = perm->to(at::kLong).contiguous();
+  keep = hf_w4::checked_perm(*perm, k, "hf_w4 int8 kernel");
   return keep.data_ptr<int64_t>();
 }
 

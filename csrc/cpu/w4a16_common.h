@@ -44,13 +44,16 @@ inline float bf16_bits_to_f32(uint16_t h) {
 
 // Exponent s of the int16 activation scale 2^s of a block of ag k (w4a16_quant_x16_*), from max_bits, the largest
 // |x| of the block as fp32 bits (compared as integers by the callers, so that a nan is never lost): e - 14 for its
-// exponent e (at least -100), so |xq| < 2^15 and every element within 2^7 (bf16) / 2^4 (fp16) of the max converts
-// exactly; raised until the block's sum of |x| (l1, summed in fp32) rounds to a sum of |xq| of at most l1max
-// (rounding adds at most 1/2 per element; 2^-10 of margin for the fp32 sum). INT32_MIN if the max is inf / nan or l1
-// is not finite: the caller takes the float path.
+// exponent e, so |xq| < 2^15 and every element within 2^7 (bf16) / 2^4 (fp16) of the max converts exactly; raised
+// until the block's sum of |x| (l1, summed in fp32) rounds to a sum of |xq| of at most l1max (rounding adds at most
+// 1/2 per element; 2^-10 of margin for the fp32 sum). INT32_MIN if the max is inf / nan or l1 is not finite, or if a
+// nonzero max is below 2^-100 (incl. denormals: its scale, and the products with it, would leave fp32's normal range
+// and round the block towards zero): the caller takes the float path. An all-zero block gets -114.
 inline int quant_x16_exponent(uint32_t max_bits, float l1, int64_t ag, int64_t l1max) {
   if ((max_bits >> 23) >= 255) return INT32_MIN;
-  int s = std::max(static_cast<int>(max_bits >> 23) - 127, -100) - 14;
+  const int e = static_cast<int>(max_bits >> 23) - 127;
+  if (max_bits != 0 && e < -100) return INT32_MIN;
+  int s = std::max(e, -100) - 14;
   if (l1max <= 0) return s;
   if (!std::isfinite(l1)) return INT32_MIN;
   const float t = static_cast<float>(l1max - ag / 2) * (1.0f - 0x1p-10f);

@@ -22,6 +22,7 @@
 
 #include "aligned_buf.h"
 #include "isa.h"
+#include "torch_checks.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 
@@ -82,8 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(
     }
   }
   if (perm) {
-    TORCH_CHECK(perm->numel() == k, "cpu_w4a16_repack: perm must have K entries");
-    pm = perm->to(at::kLong).contiguous();
+    pm = checked_perm(*perm, k, "cpu_w4a16_repack");
     r.perm = pm.data_ptr<int64_t>();
   }
   auto qpack = at::empty({P, k / 2, W4_NP}, codes.options().dtype(at::kByte));
@@ -289,9 +289,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_x16_op(const at::Tensor& x_
   at::Tensor xs = at::empty({M, K / block}, x.options().dtype(at::kFloat));
   at::Tensor xd = at::empty({M, K / block}, x.options().dtype(at::kInt));
   const std::string ir(isa_req);
-  TORCH_CHECK(quant_x16(x, choose_isa(ir.c_str()), block, l1max, xq.data_ptr<int16_t>(), xs.data_ptr<float>(),
+  TORCH_CHECK(quant_x16(x, checked_isa(ir.c_str(), "cpu_w4a16_quant_x16"), block, l1max, xq.data_ptr<int16_t>(), xs.data_ptr<float>(),
                         xd.data_ptr<int32_t>()),
-              "cpu_w4a16_quant_x16: x holds inf / nan (or a block's sum of |x| overflows)");
+              "cpu_w4a16_quant_x16: x holds inf / nan, a block's sum of |x| overflows, or a nonzero block max is below "
+              "2^-100 (the gemm takes the fp32 path there)");
   return {xq, xs, xd};
 }
 
@@ -419,7 +420,7 @@ const LargeChoice& large_choice(CpuIsa isa, bool nvfp4) {
 // for group sizes without an int16 block (NVFP4 always has one), then the timings it comes from
 std::string info(c10::string_view isa_req) {
   const std::string ir(isa_req);
-  const CpuIsa isa = choose_isa(ir.c_str());
+  const CpuIsa isa = checked_isa(ir.c_str(), "cpu_w4a16_info");
   auto name = [](int p) { return p == 3 ? "int16" : p == 1 ? "bf16" : "fp32"; };
   char buf[96];
   // "[path M<=m, path M<=m, ..., path]": the switch points of the lower envelope
@@ -486,9 +487,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   TORCH_CHECK(path >= -1 && path <= 4, "cpu_w4a16_gemm: path must be -1 (auto) or 0..4, got ", path);
   auto y = at::empty({M, n}, x_in.options());
   if (M == 0 || n == 0) return y;
-  at::Tensor x = perm ? x_in.index_select(1, perm->to(at::kLong)) : x_in;
+  at::Tensor x = perm ? x_in.index_select(1, checked_perm(*perm, K, "cpu_w4a16_gemm")) : x_in;
   x = x.contiguous();
-  const CpuIsa isa = choose_isa(ir.c_str());
+  const CpuIsa isa = checked_isa(ir.c_str(), "cpu_w4a16_gemm");
 
   W4Gemm g{};
   g.N = n; g.K = K; g.G = G; g.gs = gs; g.P = P; g.mode = mode;
