@@ -2,6 +2,7 @@
 compiled ops (e.g. adapters trained on a frozen quantized base), ``load_state_dict`` (the kernel follows the
 new tensors), ``copy.deepcopy``, and saving after a kernel change."""
 import copy
+import io
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def test_load_state_dict_updates_the_kernel(written, monkeypatch, fmt, opts, kee
 
 
 @pytest.mark.parametrize("fmt,opts", [("gptq", dict(sym=True)), ("ct-nvfp4", {}), ("ct-w8a8", {})])
-def test_deepcopy_and_reselected_kernel_save(written, tmp_path, fmt, opts):
+def test_deepcopy_pickle_and_reselected_kernel_save(written, tmp_path, fmt, opts):
     path = written(fmt, opts).path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     twin = copy.deepcopy(model)
@@ -95,6 +96,12 @@ def test_deepcopy_and_reselected_kernel_save(written, tmp_path, fmt, opts):
         y = model(tok).logits
         assert torch.equal(twin(tok).logits, y)
     twin.save_pretrained(tmp_path / "copy")
+    buf = io.BytesIO()  # torch.save of a whole model pickles it, quantizer included (plain pickle: torch cannot
+    torch.save(model, buf)  # pickle fp8 tensors itself)
+    buf.seek(0)
+    pickled = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(pickled(tok).logits, y)
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.select_kernel(torch.float32, force="torch_reference")

@@ -30,12 +30,20 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
                    activation: Optional[str] = None, skip=()) -> int:
     """Swap every ``nn.Linear`` the config quantizes for a :class:`QuantLinear` declaring exactly the tensors
     the checkpoint holds. With ``headers`` (from the safetensors files), every mismatch between config and
-    files is raised here, before any tensor is read. Returns the number of modules replaced."""
+    files is raised here, before any tensor is read. ``headers`` are keyed by the names transformers loads the
+    tensors as (:func:`checkpoint.loading_names`). Returns the number of modules replaced."""
     count = 0
-    for name, mod in list(model.named_modules()):
+    modules = dict(model.named_modules())
+    # header names outside the model: a renaming not known here (transformers 5.23 does not pass
+    # from_pretrained's key_mapping to quantizers) or tensors the model does not use. A module with no tensors
+    # under its own name may then be loaded under another one: the post-load guard checks it instead
+    unsure = headers is not None and any(k.rpartition(".")[0] not in modules for k in headers)
+    for name, mod in list(modules.items()):
         if not isinstance(mod, nn.Linear):
             continue
         stored = checkpoint.module_tensors(headers, name) if headers is not None else None
+        if unsure and not stored:
+            stored = None
         spec = fmt.spec_for(name, type(mod).__name__)
         if spec is not None and any(name == s or name.startswith(s + ".") for s in skip):
             spec = None
@@ -80,7 +88,7 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
                                       f"expected one of {[str(x).replace('torch.', '') for x in d.dtypes]}")
             dtypes[t] = info.dtype
         if stored is not None:
-            extra = set(stored) - set(decls) - {"bias"}
+            extra = set(stored) - set(decls) - {"bias"} - checkpoint.KV_CACHE_SCALES
             if extra:
                 raise CheckpointError(f"{name}: unexpected tensor(s) {sorted(extra)} for {spec.method} "
                                       f"({spec.describe()}); expected {sorted(decls)}")
@@ -91,6 +99,8 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
         ql = QuantLinear(spec, k, n, name, {t: (decls[t].shape, dtypes[t]) for t in decls}, bias_dtype=bias_dtype)
         _set_module(model, name, ql)
         count += 1
+    if headers is not None:
+        checkpoint.check_unclaimed(headers, model)
     return count
 
 
@@ -142,6 +152,9 @@ class HfW4Quantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         self.format = formats.parse(self._checkpoint_dict(checkpoint_files))
         headers = checkpoint.read_headers(checkpoint_files) if checkpoint_files else None
+        if headers is not None:
+            # transformers renames checkpoint keys only after this swap: match the names it will load them as
+            headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self)
         skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
         act = ACTIVATION_MODES[self.options["activation"]]
         n = replace_linear(model, self.format, headers, activation=act, skip=skip)
@@ -175,7 +188,9 @@ class HfW4Quantizer(HfQuantizer):
 
     @property
     def is_trainable(self):
-        return False
+        # the packed weights are frozen, but input gradients flow through every kernel (the compiled ops register
+        # grad_x = grad_y @ W), so adapters (e.g. LoRA) on a quantized base train, as with transformers' GPTQ / AWQ
+        return True
 
     def get_state_dict_and_metadata(self, model):
         for m in model.modules():
@@ -204,3 +219,5 @@ def _quantizer(method: str):
 
 
 QUANTIZERS = {m: _quantizer(m) for m in CONFIGS}
+# module attributes under their own names, so pickle finds them (a pickled / torch.save'd model holds its quantizer)
+globals().update({cls.__name__: cls for cls in QUANTIZERS.values()})

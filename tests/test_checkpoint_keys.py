@@ -1,0 +1,142 @@
+"""The header check sees the checkpoint's tensors under the names transformers loads them as: .bin files are
+read too, keys transformers renames are renamed first, and quantized tensors no quantized Linear takes are an
+error instead of silently random weights."""
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (AutoModelForCausalLM, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                          LlavaForConditionalGeneration, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import hf_w4
+from hf_w4 import layouts, writers
+from hf_w4.checkpoint import CheckpointError
+from hf_w4.formats.spec import W4Spec
+
+Q = "model.layers.0.self_attn.q_proj"
+IDS = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def rewrite(src, dst, tensors, name="model.safetensors"):
+    """Copy checkpoint ``src`` to ``dst`` with its tensors passed through ``tensors(sd) -> sd`` and saved as ``name``."""
+    shutil.copytree(src, dst)
+    sd = tensors(load_file(os.path.join(dst, "model.safetensors")))
+    os.remove(os.path.join(dst, "model.safetensors"))
+    if name.endswith(".bin"):
+        torch.save(sd, os.path.join(dst, name))
+    else:
+        save_file(sd, os.path.join(dst, name), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "ct-nvfp4", "modelopt-nvfp4"])
+def test_bin_checkpoint(tmp_path, tiny_llama, fmt):
+    src = writers.write_checkpoint(tiny_llama, str(tmp_path / "st"), fmt).path
+    b = rewrite(src, tmp_path / "bin", lambda sd: sd, "pytorch_model.bin")
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+    assert torch.equal(logits(load(b)), logits(load(src)))
+    if fmt == "gptq":  # the .bin's names, shapes and dtypes are read: a missing tensor is the same early error
+        bad = rewrite(src, tmp_path / "bad", lambda sd: {k: v for k, v in sd.items() if k != f"{Q}.scales"},
+                      "pytorch_model.bin")
+        with pytest.raises(CheckpointError, match=rf"{Q}\.scales: missing from the checkpoint; gptq"):
+            load(bad)
+
+
+def test_keys_transformers_renames(tmp_path):
+    # a Llava checkpoint in the legacy layout (language_model.model.layers.*) transformers 5 renames at load time
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=32, patch_size=16),
+                      text_config=LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+                      image_token_index=500)
+    torch.manual_seed(0)
+    src = writers.write_checkpoint(LlavaForConditionalGeneration(cfg).eval(), str(tmp_path / "new"), "gptq",
+                                   block_name_to_quantize="model.language_model.layers").path
+    legacy = {"model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head.",
+              "model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."}
+
+    def to_legacy(sd):
+        out = {}
+        for k, v in sd.items():
+            old = next((o + k[len(n):] for n, o in legacy.items() if k.startswith(n)), k)
+            out[old] = v
+        return out
+    old = rewrite(src, tmp_path / "old", to_legacy)
+    assert any(k.startswith("language_model.model.layers.0.self_attn.q_proj.") for k in load_file(
+        os.path.join(old, "model.safetensors")))
+    load = lambda p: LlavaForConditionalGeneration.from_pretrained(p, dtype=torch.float32)
+    m = load(old)
+    assert type(m.model.language_model.layers[0].self_attn.q_proj).__name__ == "QuantLinear"
+    assert torch.equal(logits(m), logits(load(src)))
+
+
+def test_key_mapping(tmp_path, tiny_llama):
+    # from_pretrained(key_mapping=...) renames keys too; transformers 5.23 does not pass it to quantizers, so the
+    # header check leaves the modules it cannot find under their own names to the post-load guard
+    src = writers.write_checkpoint(tiny_llama, str(tmp_path / "q"), "gptq").path
+    mapped = rewrite(src, tmp_path / "mapped", lambda sd: {k.replace("model.layers.", "transformer.h."): v
+                                                          for k, v in sd.items()})
+    load = lambda p, **kw: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kw)
+    m = load(mapped, key_mapping={r"^transformer\.h\.": "model.layers."})
+    assert type(m.get_submodule(Q)).__name__ == "QuantLinear"
+    assert torch.equal(logits(m), logits(load(src)))
+
+
+def test_fused_moe_experts_are_an_error(tmp_path):
+    # GPTQ / auto-round write one quantized Linear per expert; transformers 5 fuses the experts into one module
+    # with 3-D parameters, which nothing would load them into
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    src = writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
+    spec = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
+    experts = model.model.layers[0].mlp.experts
+
+    def per_expert(sd):
+        sd = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+        p = "model.layers.0.mlp.experts"
+        for e in range(cfg.num_experts):
+            gate, up = experts.gate_up_proj[e].detach().chunk(2, dim=0)
+            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", experts.down_proj[e].detach())):
+                r = writers.quantize_rtn(w.float(), "int4", 128, True)
+                for t, x in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+                    sd[f"{p}.{e}.{proj}.{t}"] = x.contiguous()
+        return sd
+    bad = rewrite(src, tmp_path / "moe", per_expert)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj .*and 9 more.*"
+                                              r"fused MoE expert modules like Qwen3MoeExperts are not supported"):
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+    # the same model with its experts dense (only the attention quantized) loads them
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert torch.equal(m.model.layers[0].mlp.experts.down_proj, experts.down_proj.detach().bfloat16().float())
+
+
+def test_kv_cache_scales_are_not_an_error(tmp_path, tiny_llama):
+    # ModelOpt's FP8 KV-cache scales on k_proj / v_proj: hf_w4 keeps the KV cache in the model dtype (warned),
+    # so they are left unloaded, not a reason to refuse the checkpoint
+    src = writers.write_checkpoint(tiny_llama, str(tmp_path / "q"), "modelopt-nvfp4").path
+
+    def add(sd):
+        for i in range(tiny_llama.config.num_hidden_layers):
+            sd[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.01)
+            sd[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.01)
+        return sd
+    kv = rewrite(src, tmp_path / "kv", add)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+    assert torch.equal(logits(load(kv)), logits(load(src)))
