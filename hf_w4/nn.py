@@ -138,6 +138,9 @@ class QuantLinear(nn.Module):
         if self.kernel is None:
             raise RuntimeError(f"{self.name}: QuantLinear has no kernel yet (call select_kernel; transformers does "
                                "this after loading)")
+        if x.shape[-1] != self.in_features:  # for every kernel: their own errors name neither layer nor K
+            raise RuntimeError(f"{self.name}: input has {x.shape[-1]} features (shape {list(x.shape)}), expected "
+                               f"in_features K={self.in_features}")
         return self.kernel.apply(self, x, self.bias)
 
     def _apply(self, fn, recurse=True):

@@ -190,9 +190,11 @@ def test_autoround_group_size_is_validated():
         formats.parse({"quant_method": "auto-round", "bits": 4, "extra_config": {"lm_head": {"group_size": "64"}}})
 
 
-@pytest.mark.parametrize("activation,kernel", [("none", "cpu_w4a16"), ("int8", "cpu_int8")])
+@pytest.mark.parametrize("activation,kernel", [("none", "cpu_w4a16"), ("int8", "cpu_int8"),
+                                               ("none", "torch_reference")])
 def test_wrong_input_width_names_the_module(base, activation, kernel):
-    m = load(base["gptq"], quantization_config=hf_w4.GPTQConfig(activation=activation))
+    m = load(base["gptq"], quantization_config=hf_w4.GPTQConfig(activation=activation,
+                                                                kernel="auto" if kernel != "torch_reference" else kernel))
     layer = m.get_submodule(Q)
     assert layer.kernel.NAME == kernel
     with pytest.raises(RuntimeError, match=rf"{Q}: input has 264 features \(shape \[3, 264\]\), expected "
