@@ -263,7 +263,10 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
             codes, pack_dim, slots = t["qweight"].t(), "k", SEQ_SLOTS
         else:
             codes, pack_dim, slots = t["qweight"].t(), "n", AWQ_SLOTS
-        return QWeight("int4", n, k, gs, codes, pack_dim, slots, scales, zeros.t().contiguous(), None, g_idx)
+        # symmetric GPTQ / AWQ checkpoints store every zero point as 8: say "symmetric" (None), so the kernels take
+        # their symmetric path and hold no zero * scale tensor (the same weights: (q - 8) * s either way)
+        zeros = None if bool((zeros == 8).all()) else zeros.t().contiguous()
+        return QWeight("int4", n, k, gs, codes, pack_dim, slots, scales, zeros, None, g_idx)
     if L == "ct_pack":
         _finite(name, "weight_scale", t["weight_scale"])
         shape = tuple(int(x) for x in t["weight_shape"].tolist())

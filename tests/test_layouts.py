@@ -36,7 +36,9 @@ def test_gptq_v1_symmetric_zero_word():
     t = layouts.pack(spec, torch.randint(0, 16, (16, 128)), torch.rand(16, 1))
     assert (t["qzeros"] == u32(0x77777777)).all()          # stored zero-1 = 7, true zero 8
     qw = layouts.to_qweight(spec, t, 16, 128)
-    assert (qw.zeros == 8).all()
+    assert qw.zeros is None   # every zero point 8: symmetric (the kernels' symmetric path, no zero * scale tensor)
+    t["qzeros"][0, 0] = u32(0x77777776)
+    assert layouts.to_qweight(spec, t, 16, 128).zeros[0, 0] == 7
 
 
 def test_awq_symmetric_zero_word():
