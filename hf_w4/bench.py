@@ -320,6 +320,27 @@ def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=pri
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+def _positive(ap, opt: str, v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        ap.error(f"{opt}: {v.strip()!r} is not a positive integer")
+    return n
+
+
+def _shape(ap, s: str, group_size: int) -> Tuple[int, int]:
+    """``KxN`` with K a multiple of the group size (every quantized contender packs whole groups along K)."""
+    parts = s.lower().split("x")
+    if len(parts) != 2:
+        ap.error(f"--shapes: {s.strip()!r} is not KxN (e.g. 4096x4096)")
+    k, n = (_positive(ap, "--shapes", v) for v in parts)
+    if k % group_size:
+        ap.error(f"--shapes: {s.strip()!r}: K={k} is not a multiple of --group-size {group_size}")
+    return k, n
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hf_w4.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=None, help="comma list of KxN (default: %s)" %
@@ -340,21 +361,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model-rounds", type=int, default=5)
     ap.add_argument("--no-boost", action="store_true", help="do not try nice -20 on this process group")
     a = ap.parse_args(argv)
+    if a.group_size < 1 or a.threads < 1:
+        ap.error(f"--group-size {a.group_size} / --threads {a.threads}: must be >= 1")
+    shapes = SHAPES if not a.shapes else [_shape(ap, s, a.group_size) for s in a.shapes.split(",")]
+    ms = MS if not a.m else [_positive(ap, "--m", v) for v in a.m.split(",")]
+    cs = all_contenders()
+    if a.contenders:
+        want = [w.strip() for w in a.contenders.split(",") if w.strip()]
+        unknown = [w for w in want if w not in [c.name for c in cs]]
+        if unknown or not want:
+            ap.error(f"--contenders {a.contenders}: unknown {', '.join(unknown) or 'empty list'}; "
+                     f"known: {', '.join(c.name for c in cs)}")
+        cs = [c for c in cs if c.name in want]
     torch.set_num_threads(a.threads)
     if not a.no_boost:
         _boost()
-    shapes = SHAPES if not a.shapes else [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")]
-    ms = MS if not a.m else [int(v) for v in a.m.split(",")]
     if a.quick:
         shapes = [(4096, 4096), (2048, 2048)] if not a.shapes else shapes
         ms = [1, 16, 256] if not a.m else ms
         a.min_time, a.rounds, a.min_runs = 0.05, 1, 3
     if a.cold_mib is None:   # rotate over clearly more than the last-level cache (105 MiB on the AMX Xeon VM)
         a.cold_mib = max(96.0, round(2 * l3_mib()))
-    cs = all_contenders()
-    if a.contenders:
-        want = a.contenders.split(",")
-        cs = [c for c in cs if c.name in want]
     usable = []
     for c in cs:
         ok, why = c.available()

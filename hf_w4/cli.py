@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from typing import List, Optional
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
@@ -43,16 +44,63 @@ def _quiet_transformers() -> None:
         pass
 
 
-def _write_json(path: Optional[str], obj) -> None:
-    if path:
+def _check_json(path: Optional[str]) -> None:
+    """Before the run, not after it: ``--json`` must name a file in an existing, writable directory."""
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--json {path}: is a directory")
+    if not os.path.isdir(d):
+        raise ValueError(f"--json {path}: " + (f"{d} is not a directory" if os.path.exists(d) else
+                                               f"directory {d} does not exist"))
+    try:
+        tempfile.NamedTemporaryFile(dir=d, prefix=".hf_w4-json-").close()   # root, read-only mounts: try it
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot write in {d} ({e.strerror or e})") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"--json {path}: file is not writable")
+
+
+def _write_json(path: Optional[str], obj) -> int:
+    """Writes ``obj``; an error is one line on stderr and exit status 2 (the results are printed already)."""
+    if not path:
+        return 0
+    try:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1, default=str)
+    except OSError as e:
+        print(f"hf-w4: error: cannot write --json {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _int(v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+
+
+def _nonneg_int(v: str) -> int:
+    n = _int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{v}: must be >= 0")
+    return n
+
+
+def _decode_count(v: str) -> int:
+    n = _int(v)
+    if n != 0 and n < 2:
+        raise argparse.ArgumentTypeError(f"{v}: must be 0 or >= 2 (timing needs a prompt step and a decode step)")
+    return n
 
 
 # --------------------------------------------------------------------------------------------- info
 def cmd_info(a) -> int:
     from . import evaluate as E
     from . import models
+    _check_json(a.json)
     path = models.resolve(a.path)
     model = E.load_model(path, _dtype(a.dtype))
     try:
@@ -62,8 +110,6 @@ def cmd_info(a) -> int:
         rows = []
     mem = E.model_bytes(model)
     mib = 1 / 2**20
-    if a.json:
-        _write_json(a.json, {"path": str(path), "format": E.quant_format(model), "layers": rows, "memory": mem})
     print(f"model    {path}")
     print(f"format   {E.quant_format(model)}")
     if not rows:
@@ -90,13 +136,15 @@ def cmd_info(a) -> int:
         print(f"memory   quantized layers: {mem['packed'] * mib:.1f} MiB packed vs {mem['dense'] * mib:.1f} MiB "
               f"dense bf16 ({mem['dense'] / max(mem['packed'], 1):.2f}x smaller)")
     print(f"         whole model in memory: {mem['total'] * mib:.1f} MiB")
-    return 0
+    sys.stdout.flush()
+    return _write_json(a.json, {"path": str(path), "format": E.quant_format(model), "layers": rows, "memory": mem})
 
 
 # --------------------------------------------------------------------------------------------- eval
 def cmd_eval(a) -> int:
     from . import evaluate as E
     from . import models
+    _check_json(a.json)
     dist = E.Dist.detect()
     if a.threads:
         import torch
@@ -104,17 +152,21 @@ def cmd_eval(a) -> int:
     # the default model is converted by the first rank that gets the lock; the others then find it
     path = models.resolve(a.path)
     ref = models.resolve(a.reference) if a.reference else None
+    tok = E.load_tokenizer(models.resolve(a.tokenizer)) if a.tokenizer else None
     text = E.read_text(a.text) if a.text else None
     bos = {"auto": "auto", "yes": True, "no": False}[a.bos]
     r = E.evaluate(path, text=text, max_tokens=a.max_tokens or None, window=a.window, reference=ref,
                    dtype=_dtype(a.dtype), decode_tokens=a.decode_tokens, prompt=a.prompt, bos=bos, dist=dist,
-                   progress=not a.no_progress)
+                   progress=not a.no_progress, tokenizer=tok)
     r["text"] = a.text or "pydoc_data.topics"
+    if a.tokenizer:
+        r["tokenizer"] = a.tokenizer
+    rc = 0
     if dist.main:
-        _write_json(a.json, r)
-        print(E.format_eval(r))
+        print(E.format_eval(r), flush=True)
+        rc = _write_json(a.json, r)
     dist.close()   # not on an exception: the launcher stops the other ranks, a barrier here could wait forever
-    return 0
+    return rc
 
 
 # --------------------------------------------------------------------------------------------- bench
@@ -137,8 +189,16 @@ def cmd_convert(a) -> int:
     from . import models, writers
     src = models.resolve(a.src)
     kw = dict(group_size=a.group_size, sym=not a.asym, quantize_lm_head=a.lm_head, ignore=tuple(a.ignore or ()),
-              dtype=_dtype(a.dtype))
-    res = writers.write_checkpoint(str(src), a.out, a.format, **kw)
+              dtype=_dtype(a.dtype), skip_incompatible=a.skip_incompatible)
+    try:
+        res = writers.write_checkpoint(str(src), a.out, a.format, **kw)
+    except OSError as e:
+        # an unwritable output (permission, read-only or full disk) is a usage error, not a crash; a missing
+        # source (FileNotFoundError) keeps main()'s message
+        if isinstance(e, FileNotFoundError) or os.environ.get("HF_W4_DEBUG"):
+            raise
+        print(f"hf-w4 convert: error: {e.strerror or e}: {e.filename or a.out}", file=sys.stderr)
+        return 2
     print(f"wrote {a.format} checkpoint to {getattr(res, 'path', a.out)}")
     skipped = getattr(res, "skipped", None)
     if skipped:
@@ -155,18 +215,19 @@ QUICK = dict(ppl_tokens=512, decode_tokens=8)
 
 def cmd_demo(a) -> int:
     from . import evaluate as E
+    _check_json(a.json)
     formats = [f.strip() for f in a.formats.split(",") if f.strip()] if a.formats else None
     ppl_tokens = a.ppl_tokens or (QUICK["ppl_tokens"] if a.quick else 2048)
     decode_tokens = a.decode_tokens or (QUICK["decode_tokens"] if a.quick else 32)
     rows = E.run_demo(a.model, formats=formats, group_size=a.group_size, ppl_tokens=ppl_tokens,
                       decode_tokens=decode_tokens, prompt=a.prompt, dtype=_dtype(a.dtype), out_dir=a.out,
                       progress=not a.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True))
-    _write_json(a.json, rows)
     print()
     print(E.format_demo_table(rows))
     print()
-    print(E.format_demo_answers(rows, a.prompt))
-    return 0 if all(r["status"] != "failed" for r in rows) else 1
+    print(E.format_demo_answers(rows, a.prompt), flush=True)
+    rc = _write_json(a.json, rows)
+    return rc or (0 if all(r["status"] != "failed" for r in rows) else 1)
 
 
 # --------------------------------------------------------------------------------------------- parser
@@ -187,17 +248,21 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help="perplexity, top-1 agreement with a dense reference, decode tokens/s, peak RSS",
                        description="Evaluate one checkpoint. Data-parallel under: accelerate launch --multi_gpu "
                                    "--num_processes 2 -m hf_w4.cli eval PATH (ranks split the windows; same "
-                                   "result as one process).")
+                                   "result as one process, bit for bit with HF_W4_LARGE_PATH=fp32 set).")
     s.add_argument("path", help="checkpoint directory (or 'default')")
     s.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: pydoc_data.topics)")
-    s.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    s.add_argument("--max-tokens", type=_nonneg_int, default=DEFAULT_MAX_TOKENS,
                    help=f"text tokens to use, 0 = all (default {DEFAULT_MAX_TOKENS})")
-    s.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"tokens per window (default {DEFAULT_WINDOW})")
-    s.add_argument("--reference", metavar="DENSE_PATH", help="dense checkpoint for top-1 agreement")
+    s.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window, at most the model's context (default {DEFAULT_WINDOW})")
+    s.add_argument("--reference", metavar="DENSE_PATH", help="dense checkpoint for top-1 agreement (same tokenizer)")
+    s.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: the checkpoint's own; for a "
+                                                       "checkpoint saved without tokenizer files)")
     s.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="prepend BOS to every window (auto: when the tokenizer adds one by default, or Gemma)")
     s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    s.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens to time (0 = skip)")
+    s.add_argument("--decode-tokens", type=_decode_count, default=32,
+                   help="greedy tokens to time (0 = skip, else >= 2)")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
     s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's / accelerate's choice)")
     s.add_argument("--json", metavar="FILE", help="also write the result as JSON")
@@ -217,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
     s.add_argument("--ignore", nargs="*", metavar="NAME", help="module names/patterns to keep dense")
     s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the unquantized tensors")
+    s.add_argument("--skip-incompatible", action="store_true",
+                   help="leave Linears whose shape the format cannot hold (e.g. K not divisible by the group size) "
+                        "dense instead of failing")
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("demo", help="every format on the embedded SmolLM2-135M-Instruct: one comparison table")
@@ -224,8 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--formats", metavar="F1,F2", help="comma-separated subset (default: all writer formats)")
     s.add_argument("--group-size", type=int, default=DEMO_GROUP_SIZE,
                    help=f"default {DEMO_GROUP_SIZE} (SmolLM2's K=576 is not divisible by 128)")
-    s.add_argument("--ppl-tokens", type=int, default=0, help="text tokens for perplexity (default 2048; quick 512)")
-    s.add_argument("--decode-tokens", type=int, default=0, help="greedy tokens to time (default 32; quick 8)")
+    s.add_argument("--ppl-tokens", type=_nonneg_int, default=0,
+                   help="text tokens for perplexity (default 2048; quick 512)")
+    s.add_argument("--decode-tokens", type=_decode_count, default=0,
+                   help="greedy tokens to time, >= 2 (default 32; quick 8)")
     s.add_argument("--quick", action="store_true", help="short run for CI: 512 perplexity tokens, 8 decode tokens")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
     s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype (dense baseline too)")
@@ -237,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader went away (hf-w4 info ... | head): stop quietly; stdout to /dev/null so that the interpreter's
+        # final flush does not complain again
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         _offline()
@@ -250,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _quiet_transformers()
     try:
         return int(a.func(a) or 0)
-    except (FileNotFoundError, ImportError, ValueError, NotImplementedError) as e:
+    except (FileNotFoundError, NotADirectoryError, ImportError, ValueError, NotImplementedError) as e:
         if os.environ.get("HF_W4_DEBUG"):
             raise
         print(f"hf-w4 {a.cmd}: error: {e}", file=sys.stderr)

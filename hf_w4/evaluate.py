@@ -75,7 +75,11 @@ def make_windows(tokenizer, text: str, window: int = DEFAULT_WINDOW, max_tokens:
     """
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens, got {window}")
+    if max_tokens is not None and max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (or None for all), got {max_tokens}")
     use_bos = needs_bos(tokenizer, config) if bos == "auto" else bool(bos)
+    if use_bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError("BOS requested (--bos yes) but the tokenizer has no bos_token; use --bos auto or no")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -88,6 +92,10 @@ def make_windows(tokenizer, text: str, window: int = DEFAULT_WINDOW, max_tokens:
     t = torch.tensor(ids[: n * per], dtype=torch.long).view(n, per)
     if use_bos:
         t = torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), t], dim=1)
+    n_ctx = getattr(config, "max_position_embeddings", None)
+    if isinstance(n_ctx, int) and t.shape[1] > n_ctx:
+        raise ValueError(f"window of {t.shape[1]} tokens is longer than the model's context of {n_ctx} tokens "
+                         f"(config max_position_embeddings); use --window {n_ctx} or less")
     return t
 
 
@@ -363,8 +371,19 @@ def _modelopt_sidecar_only(path) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer(path) -> bool:
+    return any(os.path.isfile(os.path.join(str(path), f)) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
+    if os.path.isdir(str(path)) and not has_tokenizer(path):
+        raise FileNotFoundError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...), e.g. a "
+                                "checkpoint saved from a model object; pass the tokenizer of the model it was made "
+                                "from (hf-w4 eval --tokenizer PATH)")
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -376,7 +395,7 @@ def quant_format(model) -> str:
     d = q if isinstance(q, dict) else (q.to_dict() if hasattr(q, "to_dict") else vars(q))
     m = d.get("quant_method", "?")
     m = getattr(m, "value", m)
-    fmt = d.get("format") or d.get("packing_format") or d.get("version")
+    fmt = d.get("format") or d.get("packing_format") or d.get("version") or d.get("quant_algo")
     return f"{m}:{fmt}" if fmt and isinstance(fmt, str) else str(m)
 
 
@@ -400,30 +419,37 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
     """Evaluate one checkpoint; returns a JSON-able dict (the ``hf-w4 eval`` output).
 
     ``text``: a string (None = default corpus). ``reference``: a dense checkpoint path (or a loaded model)
-    for top-1 agreement. Decoding speed is measured on rank 0 only, after the perplexity pass, while the
-    other ranks wait, so it is not disturbed by them.
+    for top-1 agreement. ``tokenizer``: a loaded tokenizer instead of the checkpoint's own (which a checkpoint
+    saved from a model object does not have). Decoding speed is measured on rank 0 only, after the perplexity
+    pass, while the other ranks wait, so it is not disturbed by them.
     """
+    if decode_tokens and decode_tokens < 2:
+        raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
     dist = dist or Dist.detect()
     t0 = time.perf_counter()
     model = model if model is not None else load_model(path, dtype)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
     load_s = time.perf_counter() - t0
+    text = text if text is not None else default_text()
+    use_bos = needs_bos(tokenizer, model.config) if bos == "auto" else bool(bos)
+    windows = make_windows(tokenizer, text, window, max_tokens, use_bos, model.config)
+    _check_ids(windows, model, path)
     ref_model = None
     if reference is not None:
         ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
-    windows = make_windows(tokenizer, text if text is not None else default_text(), window, max_tokens, bos,
-                           model.config)
+        _check_reference(path, model, tokenizer, reference, ref_model, windows[:, 1:] if use_bos else windows,
+                         text)
     ppl = perplexity(model, windows, ref_model, dist, progress)
     out = {"path": str(path), "format": quant_format(model), "kernels": kernels_used(model),
            "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "world": dist.world,
-           "bos": bool(windows[0, 0].item() == getattr(tokenizer, "bos_token_id", -1)),
+           "bos": use_bos,
            "perplexity": ppl.ppl, "nll": ppl.nll, "tokens": ppl.tokens, "windows": ppl.windows,
            "window": ppl.window, "top1_agreement": ppl.top1, "reference_perplexity": ppl.ref_ppl,
            "reference": None if reference is None else str(getattr(reference, "name_or_path", reference)),
            "memory": model_bytes(model)}
     del ref_model
     dec = None
-    if decode_tokens and decode_tokens >= 2:
+    if decode_tokens:
         if dist.main:
             dec = decode(model, tokenizer, prompt, decode_tokens)
         dist.barrier()
@@ -436,6 +462,29 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
     out["peak_rss_bytes_per_rank"] = [int(r) for r in rss]
     out["threads"] = torch.get_num_threads()
     return out
+
+
+def _check_ids(windows: torch.Tensor, model, path) -> None:
+    v = getattr(model.config, "vocab_size", None)
+    if isinstance(v, int) and int(windows.max()) >= v:
+        raise ValueError(f"the tokenizer gives token id {int(windows.max())} but {path} has a vocabulary of {v} "
+                         "tokens: the tokenizer does not belong to this model")
+
+
+def _check_reference(path, model, tokenizer, reference, ref_model, text_ids: torch.Tensor, text: str) -> None:
+    """Top-1 agreement compares token ids: the reference must have the same vocabulary, and (when its directory
+    has a tokenizer) that tokenizer must give the same ids for the evaluation text."""
+    name = getattr(reference, "name_or_path", reference)
+    v, rv = getattr(model.config, "vocab_size", None), getattr(ref_model.config, "vocab_size", None)
+    if isinstance(v, int) and isinstance(rv, int) and v != rv:
+        raise ValueError(f"{path} has a vocabulary of {v} tokens, the reference {name} one of {rv}: top-1 "
+                         "agreement needs two models with the same tokenizer")
+    if isinstance(reference, torch.nn.Module) or not has_tokenizer(reference):
+        return
+    ref_ids = load_tokenizer(reference)(text, add_special_tokens=False)["input_ids"][: text_ids.numel()]
+    if ref_ids != text_ids.flatten().tolist():
+        raise ValueError(f"the tokenizers of {path} and the reference {name} differ (same vocabulary size {v}, "
+                         "different token ids for the evaluation text): top-1 agreement needs the same tokenizer")
 
 
 def format_eval(r: Dict) -> str:

@@ -187,6 +187,9 @@ def resolve(path: Optional[Union[str, Path]], dtype="float32") -> Path:
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such model directory (use 'default' for the embedded "
                                 f"{DEFAULT_NAME})")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{path}: is a file, not a model directory (pass the directory that holds "
+                                 "config.json and the weights)")
     return p
 
 

@@ -30,12 +30,16 @@ Conventions (see :func:`quantize_rtn`):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import fnmatch
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -75,7 +79,15 @@ _MODELOPT = ("modelopt-w4a16", "modelopt-nvfp4")
 _NVFP4 = ("ct-nvfp4",) + _MODELOPT
 _CHECKPOINT_FORMATS = {"gptq": True, "gptq_v1": True, "gptq_v2": False}  # -> stores zero-1
 _SKIP_FILES = {"config.json", "hf_quant_config.json", "quantization_config.json", "quantize_config.json",
-               "recipe.yaml", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+               "recipe.yaml", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+               "hf_w4_converted.json"}   # hf_w4.models' marker: it says "dequantized Q4_1 dense", not this file
+# what an output directory may hold and still be replaced (see _check_target): the files write_checkpoint writes
+# or copies from a source plus the usual files of a Hugging Face checkpoint; anything else is someone's data
+_CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                     "quantize_config.json", "quantization_config.json", "hf_quant_config.json", "recipe.yaml",
+                     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.*",
+                     "preprocessor_config.json", "processor_config.json", "README.md", "LICENSE*")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
 
@@ -336,6 +348,22 @@ def _match(pattern: str, name: str) -> bool:
         return False
 
 
+def _check_ignore(ignore: Sequence[str], names: Sequence[str], lm_name: str, quantize_lm_head: bool) -> None:
+    """A pattern that matches nothing is almost always a typo (``down_porj``) that would silently quantize
+    the module the user wanted dense; ignoring lm_head while asking to quantize it is a contradiction."""
+    unmatched = [p for p in ignore if not any(_match(p, n) for n in names)]
+    if unmatched:
+        eg = names[:3] + names[-2:] if len(names) > 5 else list(names)
+        raise WriterError(f"ignore pattern(s) {unmatched} match no Linear module; modules are named like {eg} "
+                          "(a pattern is a full name, a dotted suffix such as 'mlp.down_proj', or a regex: "
+                          "'re:' prefix or full match)")
+    if quantize_lm_head:
+        hit = [p for p in ignore if _match(p, lm_name)]
+        if hit:
+            raise WriterError(f"quantize_lm_head=True (--lm-head) and ignore pattern(s) {hit} both name {lm_name}; "
+                              "drop one of them")
+
+
 def _norm_group(group_size) -> int:
     if group_size in (None, 0, -1):
         return -1
@@ -408,7 +436,17 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     ``block_name_to_quantize``: decoder-block prefix(es) for gptq/awq/auto-round (default: detected).
     ``input_amax`` (modelopt-nvfp4): activation amax (one float or per module) for ``input_scale``; default:
     measured on one forward pass of seeded random tokens.
-    Everything not quantized is saved in ``dtype``. The directory appears atomically (temp dir + rename).
+    Everything not quantized is saved in ``dtype``. ``ignore`` patterns that match no Linear, or one that
+    matches lm_head together with ``quantize_lm_head``, raise :class:`WriterError`.
+
+    Output: the directory appears atomically (temp dir next to it + rename), with the modes the umask gives
+    (0777/0666 minus it). If ``out_dir`` is a symlink, the checkpoint is written where it points. It may not
+    be the source directory (or the directory a model object was loaded from), inside it or around it. An
+    existing ``out_dir`` is replaced whole, but only if every entry in it is a checkpoint file (a name in
+    :data:`_CHECKPOINT_FILES`, e.g. config.json, *.safetensors, tokenizer files, the quantization side
+    configs, README.md) or one of the source's side files the new checkpoint gets; otherwise
+    :class:`WriterError` names the other entries and nothing is touched. SIGTERM while the files are written
+    (main thread, default SIGTERM action) removes the temp dir before the process dies of the signal.
     """
     if fmt not in FORMATS:
         raise WriterError(f"unknown format {fmt!r}; supported: {list(FORMATS)}")
@@ -416,15 +454,22 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
         raise WriterError(f"dtype={dtype!r} is not supported; supported: torch.bfloat16, torch.float16, torch.float32")
     opts = _check_options(fmt, group_size, sym, quantize_lm_head, desc_act, checkpoint_format, extra_config,
                           hf_quant_config_only, sym_scale)
-    src_dir = None
+    out = _output_path(out_dir)
+    src_dir, side = None, ()
     if isinstance(model_or_dir, (str, os.PathLike)):
         src_dir = Path(model_or_dir)
+        side = [f.name for f in _side_files(src_dir)] if src_dir.is_dir() else []
+        _check_source(src_dir, out)          # before loading: a wrong output should not cost a model load
+        _check_target(out, side)
         model = _load_dense(src_dir)
     elif isinstance(model_or_dir, nn.Module):
         model = model_or_dir
         if getattr(model.config, "quantization_config", None) is not None:
             raise WriterError("the source model is already quantized (its config has a quantization_config); "
                               "a dense model is required")
+        origin = getattr(model, "name_or_path", "") or ""   # the directory it was loaded from, if any
+        _check_source(Path(origin) if origin else None, out)
+        _check_target(out)
     else:
         raise WriterError(f"model_or_dir must be a PreTrainedModel or a checkpoint directory, got {type(model_or_dir)}")
 
@@ -435,6 +480,7 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     lm_name = next((n for n, m in model.named_modules() if out_emb is not None and m is out_emb), "lm_head")
+    _check_ignore(ignore, names, lm_name, opts["quantize_lm_head"])
     emb_name = next((n for n, m in model.named_modules() if in_emb is not None and m is in_emb), "model.embed_tokens")
     tied = (out_emb is not None and in_emb is not None and out_emb.weight.data_ptr() == in_emb.weight.data_ptr())
     if isinstance(block_name_to_quantize, str):
@@ -509,11 +555,23 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     cfg.dtype = dtype
 
     # ---------------------------------------------------------------- files (atomically)
-    out = Path(out_dir).absolute()
-    _check_target(out)
+    _check_target(out, side)   # again: the directory may have changed while the model was quantized
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    with _SigtermCleanup() as term:
+        _write_files(out, term, tensors, cfg, qcfg, fmt, hf_quant_config_only, src_dir, model)
+
+    twin_cfg = copy.deepcopy(cfg)
+    return WriteResult(path=str(out), fmt=fmt, quantized=list(rtn),
+                       skipped={p.name: p.reason for p in plans.values() if p.spec is None and p.reason},
+                       quantization_config=qcfg, _rtn=rtn, _other=other, _model_cls=type(model), _config=twin_cfg)
+
+
+def _write_files(out: Path, term: "_SigtermCleanup", tensors, cfg, qcfg, fmt, hf_quant_config_only, src_dir,
+                 model) -> None:
+    """Everything into a temp dir next to ``out``, then renamed into place; the temp dir never survives."""
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         from safetensors.torch import save_file
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(str(tmp))
@@ -541,15 +599,13 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
                 model.generation_config.save_pretrained(str(tmp))
             except Exception:  # noqa: BLE001 - an odd generation config must not stop the checkpoint
                 pass
-        _publish(tmp, out)
+        _open_permissions(tmp)
+        with term.hold():
+            _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-    twin_cfg = copy.deepcopy(cfg)
-    return WriteResult(path=str(out), fmt=fmt, quantized=list(rtn),
-                       skipped={p.name: p.reason for p in plans.values() if p.spec is None and p.reason},
-                       quantization_config=qcfg, _rtn=rtn, _other=other, _model_cls=type(model), _config=twin_cfg)
 
 
 def _check_options(fmt, group_size, sym, quantize_lm_head, desc_act, checkpoint_format, extra_config,
@@ -646,7 +702,8 @@ def _plan(fmt, opts, linears, lm_name, blocks, ignore, skip_incompatible, extra_
         if problem:
             msg = (f"{fmt}: {name} (Linear out_features N={n}, in_features K={k}, weight [{n}, {k}]): {problem}; "
                    f"supported: {_supported_groups(fmt, k) if 'group_size' in problem else 'N, K multiples of 8/16'}"
-                   ", or pass skip_incompatible=True to leave such modules dense")
+                   ", or pass skip_incompatible=True (hf-w4 convert --skip-incompatible) to leave such modules "
+                   "dense")
             if not skip_incompatible:
                 raise WriterError(msg)
             p.reason = f"incompatible shape: {problem}"
@@ -809,20 +866,132 @@ def _load_dense(src: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
+def _side_files(src: Path) -> List[Path]:
     """Tokenizer, generation config, chat template, ... (every top-level file that is not weights/config)."""
-    for f in src.iterdir():
-        if (not f.is_file() or f.name.startswith(".") or f.name in _SKIP_FILES
-                or f.name.endswith(_WEIGHT_SUFFIXES) or (dst / f.name).exists()):
-            continue
-        shutil.copy2(f, dst / f.name)
+    return [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.startswith(".")
+            and f.name not in _SKIP_FILES and not f.name.endswith(_WEIGHT_SUFFIXES)]
 
 
-def _check_target(out: Path) -> None:
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in _side_files(src):
+        if not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+
+
+def _output_path(out_dir) -> Path:
+    """A symlink is followed: the checkpoint is written (atomically) where it points and the link stays; renaming
+    onto the link itself would replace the link, not the directory the user meant."""
+    out = Path(out_dir).absolute()
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def _check_source(src: Optional[Path], out: Path) -> None:
+    """The output may not be the source, inside it or around it: publishing replaces the whole directory."""
+    if src is None or not src.is_dir():
+        return
+    s, o = os.path.realpath(src), os.path.realpath(out)
+    if o == s:
+        raise WriterError(f"{out}: the output directory is the source model {src}; writing would replace the "
+                          "source: choose another output directory")
+    if os.path.commonpath([s, o]) == s:
+        raise WriterError(f"{out}: the output directory is inside the source model {src}; "
+                          "choose a directory outside it")
+    if os.path.commonpath([s, o]) == o:
+        raise WriterError(f"{out}: the output directory contains the source model {src}; writing would delete "
+                          "it: choose another output directory")
+
+
+def _check_target(out: Path, side: Sequence[str] = ()) -> None:
+    """An existing ``out`` is replaced only if every entry in it is a file matching :data:`_CHECKPOINT_FILES` or
+    named like one of the source's side files the new checkpoint gets (``side``); otherwise it is refused,
+    naming the other entries, so a user's notes, runs or a model cache are never deleted."""
     if out.exists() and not out.is_dir():
         raise WriterError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise WriterError(f"{out}: exists and is not empty and holds no checkpoint; refusing to replace it")
+    if not out.is_dir():
+        return
+    other = sorted(e.name + ("/" if e.is_dir() else "") for e in out.iterdir()
+                   if not (e.is_file() and (e.name in side
+                                            or any(fnmatch.fnmatchcase(e.name, p) for p in _CHECKPOINT_FILES))))
+    if other:
+        more = f" and {len(other) - 8} more" if len(other) > 8 else ""
+        raise WriterError(f"{out}: exists and is not empty, and holds entries that are not checkpoint files: "
+                          f"{other[:8]}{more}; refusing to replace it (move them away or choose another output "
+                          "directory)")
+
+
+def _umask() -> int:
+    try:  # Linux: read it; setting and restoring it would briefly change it for every thread
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _open_permissions(tmp: Path) -> None:
+    """mkdtemp makes the directory 0700 and safetensors writes 0600; a checkpoint gets the modes any file
+    written by the user would (0777 / 0666 minus the umask), so others can load it where the umask allows."""
+    mask = _umask()
+    os.chmod(tmp, 0o777 & ~mask)
+    for f in tmp.iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~mask)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a checkpoint was being written (see :class:`_SigtermCleanup`)."""
+
+
+class _SigtermCleanup:
+    """SIGTERM's default action kills the process on the spot, leaving the temp directory (the size of the
+    model) behind. While writing, the main thread turns SIGTERM into :class:`_Terminated`, so the ``except``
+    clauses remove the temp dir; then the old handler is restored and the signal sent again, so the process
+    still dies of SIGTERM. Only in the main thread (Python runs handlers there) and only if SIGTERM has its
+    default action: a handler the application installed is left alone. ``hold()`` defers the signal over the
+    renames that publish the directory, so it cannot land between them."""
+
+    def __init__(self):
+        self.active = False
+        self.held = False
+        self.pending = False
+
+    def __enter__(self):
+        self.active = (threading.current_thread() is threading.main_thread()
+                       and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+        if self.active:
+            signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.held:
+            self.pending = True
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second SIGTERM must not interrupt the cleanup
+        raise _Terminated()
+
+    @contextlib.contextmanager
+    def hold(self):
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+        if self.pending:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise _Terminated()
+
+    def __exit__(self, typ, exc, tb):
+        if not self.active:
+            return False
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if typ is _Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)         # dies here, after the cleanup
+            raise SystemExit(128 + signal.SIGTERM)       # SIGTERM blocked in every thread: exit as if killed
+        return False
 
 
 def _publish(tmp: Path, out: Path) -> None:
