@@ -1,11 +1,8 @@
 """Which modules a config quantizes, read the way each producer reads it (AutoAWQ, optimum/gptqmodel, auto-round,
 compressed-tensors, ModelOpt), and the config / input errors that must name what was found."""
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -14,6 +11,8 @@ from hf_w4 import formats, layouts, writers
 from hf_w4.formats.spec import W4Spec
 from hf_w4.layouts import LayoutError
 from hf_w4.nn import QuantLinear
+
+from test_errors import copy, load  # noqa: E402  (the shared checkpoint-editing helpers)
 
 Q = "model.layers.0.self_attn.q_proj"
 L0_UP = "model.layers.0.mlp.up_proj"
@@ -35,24 +34,6 @@ def base(tmp_path_factory, tiny_llama):
             "gptq_mlp_dense": w("gptq_mlp", "gptq", ignore=["re:.*mlp.*"]),
             "gptq_desc_act": w("gptq_da", "gptq", desc_act=True),
             "gptq": w("gptq", "gptq")}
-
-
-def copy(base_dir, tmp_path, tensors=None, config=None):
-    d = tmp_path / "c"
-    shutil.copytree(base_dir, d)
-    if tensors is not None:
-        sd = load_file(d / "model.safetensors")
-        tensors(sd)
-        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    if config is not None:
-        c = json.load(open(d / "config.json"))
-        config(c["quantization_config"])
-        json.dump(c, open(d / "config.json", "w"))
-    return str(d)
-
-
-def load(path, **kw):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
 
 
 def quantized(model):
