@@ -4,7 +4,6 @@ compressed-tensors, ModelOpt), and the config / input errors that must name what
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 import hf_w4
 from hf_w4 import formats, layouts, writers
