@@ -209,71 +209,67 @@ def unpermute(w: torch.Tensor, perm) -> torch.Tensor:  # kernel column k' is the
     return out
 
 
+def _per_column(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per-panel group tensors [P, G, panel width] -> [N, K] (each group's value repeated over its columns)."""
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
+
+
 def w4a16_dense(qpack, scales, zs, perm, n: int, group_size: int, weight_type: str,
                 global_scale: float = 1.0) -> torch.Tensor:
     """The dense fp32 weight [N, K] (checkpoint column order) that cpu_w4a16_gemm multiplies by."""
     k = qpack.shape[1] * 2
     c = w4a16_codes(qpack, n, k)
-    rep = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
     if weight_type == "nvfp4":
         from .layouts import e2m1_decode, fp8_decode
-        w = e2m1_decode(c) * rep(fp8_decode(scales)) * global_scale
+        w = e2m1_decode(c) * _per_column(fp8_decode(scales), n, k) * global_scale
     elif zs.numel():
-        w = c.float() * rep(scales) - rep(zs)
+        w = c.float() * _per_column(scales, n, k) - _per_column(zs, n, k)
     else:
-        w = (c.float() - 8.0) * rep(scales)
+        w = (c.float() - 8.0) * _per_column(scales, n, k)
     return unpermute(w, perm)
 
 
 def int8_dense(packed, scales, zeros, perm, weight_type: str, n: int, k: int, group_size: int) -> torch.Tensor:
     """The dense fp32 weight [N, K] (checkpoint column order) that int8_gemm multiplies the quantized x by."""
     c = int8_codes(packed, weight_type, n, k, group_size).float()
-    rep = lambda t: t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].repeat_interleave(k // t.shape[1], 1)
     if weight_type == "int4":
-        c = c - (rep(zeros).float() if zeros is not None and zeros.numel() else 8.0)
-    return unpermute(c * rep(scales), perm)
+        c = c - (_per_column(zeros, n, k).float() if zeros is not None and zeros.numel() else 8.0)
+    return unpermute(c * _per_column(scales, n, k), perm)
 
 
 # ---- input gradients: grad_x = grad_y @ W with W dequantized from the kernel layout for the backward (the
 # weights themselves are frozen: integer codes). The int8 ops pass the gradient straight through the activation
-# quantization, as compressed-tensors' fake-quantized forward does in training (round has an STE there).
-def _linear_backward(ctx, grad, dense):
-    gx = gb = None
-    if ctx.needs_input_grad[0]:
-        gx = (grad.reshape(-1, grad.shape[-1]).float() @ dense()).to(ctx.x_dtype).reshape(ctx.x_shape)
-    if ctx.needs_bias_grad:
-        gb = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-    return gx, gb
-
-
-def _w4a16_setup(ctx, inputs, output):
-    x, qpack, scales, zs, perm, bias, n, group_size, weight_type, global_scale = inputs[:10]
-    ctx.save_for_backward(qpack, scales, zs, perm)
-    ctx.x_dtype, ctx.x_shape, ctx.n, ctx.gs, ctx.wt, ctx.gscale = x.dtype, x.shape, n, group_size, weight_type, \
-        global_scale
+# quantization (a straight-through estimator). Both gemm ops take (x, the four layout tensors, bias, scalars...): one
+# setup serves both, and each backward rebuilds W from the saved tensors and the op's own scalars.
+def _linear_setup(ctx, inputs, output):
+    x, bias = inputs[0], inputs[5]
+    ctx.save_for_backward(*inputs[1:5])
+    ctx.scalars = inputs[6:]
+    ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
     ctx.needs_bias_grad = bias is not None and ctx.needs_input_grad[5]
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _w4a16_backward(ctx, grad):
-    q, s, z, perm = ctx.saved_tensors
-    gx, gb = _linear_backward(ctx, grad, lambda: w4a16_dense(q, s, z, perm, ctx.n, ctx.gs, ctx.wt, ctx.gscale))
-    return gx, None, None, None, None, gb, None, None, None, None, None, None
+def _linear_backward(dense):
+    def backward(ctx, grad):
+        gx = gb = None
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:
+            w = dense(*ctx.saved_tensors, *ctx.scalars)
+            gx = (g2.float() @ w).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_bias_grad:
+            gb = g2.sum(0).to(ctx.bias_dtype)
+        return (gx, None, None, None, None, gb) + (None,) * len(ctx.scalars)
+    return backward
 
 
-def _int8_setup(ctx, inputs, output):
-    x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size = inputs[:10]
-    ctx.save_for_backward(packed, scales, zeros, perm)
-    ctx.x_dtype, ctx.x_shape, ctx.wt, ctx.n, ctx.k, ctx.gs = x.dtype, x.shape, weight_type, n, k, group_size
-    ctx.needs_bias_grad = bias is not None and ctx.needs_input_grad[5]
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-
-
-def _int8_backward(ctx, grad):
-    p, s, z, perm = ctx.saved_tensors
-    gx, gb = _linear_backward(ctx, grad, lambda: int8_dense(p, s, z, perm, ctx.wt, ctx.n, ctx.k, ctx.gs))
-    return gx, None, None, None, None, gb, None, None, None, None, None, None
-
-
-torch.library.register_autograd("hf_w4::cpu_w4a16_gemm", _w4a16_backward, setup_context=_w4a16_setup)
-torch.library.register_autograd("hf_w4::int8_gemm", _int8_backward, setup_context=_int8_setup)
+# scalars: cpu_w4a16_gemm (n, group_size, weight_type, global_scale, isa, path); int8_gemm (weight_type, n, k,
+# group_size, act_group, isa)
+torch.library.register_autograd(
+    "hf_w4::cpu_w4a16_gemm", _linear_backward(lambda q, s, z, perm, n, gs, wt, gscale, *_:
+                                              w4a16_dense(q, s, z, perm, n, gs, wt, gscale)),
+    setup_context=_linear_setup)
+torch.library.register_autograd(
+    "hf_w4::int8_gemm", _linear_backward(lambda p, s, z, perm, wt, n, k, gs, *_:
+                                         int8_dense(p, s, z, perm, wt, n, k, gs)),
+    setup_context=_linear_setup)

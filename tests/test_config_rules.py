@@ -11,18 +11,11 @@ from hf_w4.formats.spec import W4Spec
 from hf_w4.layouts import LayoutError
 from hf_w4.nn import QuantLinear
 
-from test_errors import copy, load  # noqa: E402  (the shared checkpoint-editing helpers)
+from test_errors import _installed, copy, load  # noqa: E402,F401  (hf_w4 installed per test; checkpoint editing)
 
 Q = "model.layers.0.self_attn.q_proj"
 L0_UP = "model.layers.0.mlp.up_proj"
 L1_UP = "model.layers.1.mlp.up_proj"
-
-
-@pytest.fixture(autouse=True)
-def _installed():
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,7 @@ import hf_w4
 from hf_w4.nn import QuantLinear
 
 from test_from_pretrained import IDS, VARIANTS, written  # noqa: E402,F401  (``written``: the shared fixture)
-
-
-@pytest.fixture(autouse=True)
-def _installed(monkeypatch):
-    monkeypatch.delenv("HF_W4_KEEP_CHECKPOINT_TENSORS", raising=False)
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+from test_memory import _installed  # noqa: E402,F401  (autouse: hf_w4 installed, both tensor copies not kept)
 
 
 def _tokens():
