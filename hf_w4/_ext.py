@@ -18,6 +18,8 @@ def load() -> bool:
     from . import ops  # noqa: F401  (schemas must exist before the library registers impls)
     here = os.path.dirname(os.path.abspath(__file__))
     libs = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+    if os.environ.get("HF_W4_LIBRARY"):  # another build of the same sources (tests/test_avx512_emulated.py)
+        libs = [os.environ["HF_W4_LIBRARY"]]
     if os.environ.get("HF_W4_NO_EXT") == "1":
         _state["loaded"], _state["error"] = False, "disabled by HF_W4_NO_EXT=1"
     elif not libs:

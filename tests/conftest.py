@@ -1,7 +1,18 @@
 """Shared offline fixtures: a tiny random Llama (fp32) and its variants, built without network access."""
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_w4 import _ext
+
+if os.environ.get("HF_W4_TEST_EMULATED_AVX512") == "1":
+    # run by tests/test_avx512_emulated.py with HF_W4_LIBRARY = the build whose AVX-512 kernels run on AVX2 through
+    # SIMDe: the tests' CPU-feature checks see the AVX-512 features that build provides (AMX stays absent)
+    _host_flags = _ext.cpu_flags()
+    _ext.cpu_flags = lambda: _host_flags | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                                            "avx512_vnni", "avx512vbmi"}
 
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)

@@ -3,7 +3,7 @@
 #include "int8_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include "simd512.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -15,7 +15,11 @@
 #include "avx512_convert.h"
 #include "int8_gemm.h"
 
+#ifndef HF_W4_EMULATE_AVX512
 #define HF_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")))
+#else  // the test-only emulated build (simd512.h)
+#define HF_T512
+#endif
 #define HF_T512I HF_T512 __attribute__((always_inline)) inline
 // software prefetch distance of the weight stream (bytes): int4 nibble panels (HF_PF) and int8 panels (HF_PF8,
 // twice the bytes per weight). Measured (4096x4096, 2 threads, cold, medians of 3 interleaved rounds, ms): W8A8

@@ -8,6 +8,7 @@
 
 #include "aligned_buf.h"
 #include "int8_gemm.h"
+#include "isa.h"
 
 namespace hf_w4_int8 {
 
@@ -16,9 +17,8 @@ namespace hf_w4_int8 {
 
 static bool has_avx512() {
 #if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
+  return HF_W4_CPU_HAS_AVX512("avx512f") && HF_W4_CPU_HAS_AVX512("avx512bw") && HF_W4_CPU_HAS_AVX512("avx512vl") &&
+         HF_W4_CPU_HAS_AVX512("avx512dq") && HF_W4_CPU_HAS_AVX512("avx512vnni");
 #else
   return false;
 #endif

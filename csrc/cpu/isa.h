@@ -12,15 +12,22 @@ inline const char* isa_name(CpuIsa i) {
   return i == CpuIsa::avx512 ? "avx512" : i == CpuIsa::avx2 ? "avx2" : "generic";
 }
 
+// __builtin_cpu_supports for an AVX-512 feature. The test-only build with HF_W4_EMULATE_AVX512 (simd512.h) runs the
+// AVX-512 kernels on AVX2, so there every AVX-512 feature counts as present when AVX2 is (AMX never does).
+#ifdef HF_W4_EMULATE_AVX512
+#define HF_W4_CPU_HAS_AVX512(feature) __builtin_cpu_supports("avx2")
+#else
+#define HF_W4_CPU_HAS_AVX512(feature) __builtin_cpu_supports(feature)
+#endif
+
 // best ISA the CPU supports for our kernels. "avx512" means F+BW+VL+BF16+VNNI (vcvtne2ps2bf16, vpdpwssd; every
 // CPU with AVX512-BF16 has VNNI);
 // "avx2" means AVX2+FMA+F16C.
 inline CpuIsa cpu_best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-      __builtin_cpu_supports("avx512vnni"))
+  if (HF_W4_CPU_HAS_AVX512("avx512f") && HF_W4_CPU_HAS_AVX512("avx512bw") && HF_W4_CPU_HAS_AVX512("avx512vl") &&
+      HF_W4_CPU_HAS_AVX512("avx512bf16") && HF_W4_CPU_HAS_AVX512("avx512vnni"))
     return CpuIsa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return CpuIsa::avx2;

@@ -1,8 +1,10 @@
 // hf_w4 W4A16: AVX-512 (F/BW/VL + BF16) kernels. Raw pointers only, no torch headers; only called
 // after a run-time check (isa.h), so nothing here leaks into code run on other CPUs.
+#ifndef HF_W4_EMULATE_AVX512  // (the test-only emulated build: simd512.h)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,bmi2")
+#endif
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
+#include "simd512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -183,6 +185,12 @@ struct WordDecode {
 // ports. In asm the accumulators are the outputs a0-7 / b0-7 (columns 0..15 / 16..31 of rows 0-7), zeroed first;
 // the flushes stay in C++. Same integers: bit-identical. A row step: broadcast the row's k-pair of x (byte offset
 // XOFF + k from the row's pointer) and two vpdpwssd with the pair's weights in zmm WL / WH.
+// The emulated build (simd512.h) cannot run asm: there the C++ loops stand in (same integers).
+#ifndef HF_W4_EMULATE_AVX512
+constexpr bool kAsmLoops = true;
+#else
+constexpr bool kAsmLoops = false;
+#endif
 #define HF_I16_ZERO2(A, B) "vpxord %[" A "], %[" A "], %[" A "]\n\tvpxord %[" B "], %[" B "], %[" B "]\n\t"
 #define HF_I16_ZERO8                                                                                        \
   HF_I16_ZERO2("a0", "b0") HF_I16_ZERO2("a1", "b1") HF_I16_ZERO2("a2", "b2") HF_I16_ZERO2("a3", "b3") \
@@ -228,7 +236,7 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
       for (int m = 0; m < MR; ++m) a[u][m][0] = a[u][m][1] = _mm512_setzero_si512();
     const uint8_t* qq = q + b * pairs * W4_NP;
     const int16_t* xb = xq + b * ag;
-    if constexpr (MR == 8 && MODE != W4_NVFP4) {
+    if constexpr (kAsmLoops && MR == 8 && MODE != W4_NVFP4) {
       // int4, 8 rows: the loop in inline asm (see HF_I16_ROW). k = 4 x the k-pair index: the byte offset into each
       // row of x, and (scaled by 8) into the codes. Measured on the AMX Xeon VM with AMX off, ms, C++ / asm: hot
       // 1024x1024 1 thread M=16 0.105 / 0.103, M=32 0.210 / 0.201; cold, 2 threads, builds alternated 3 times,
@@ -376,7 +384,7 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
     for (int m = 0; m < MR; ++m) a0[m] = a1[m] = b0[m] = b1[m] = _mm512_setzero_si512();
     const int16_t* wf = w + fi * pf * 2 * W4_NP;
     const int16_t* xf = x + 2 * fi * pf;
-    if constexpr (MR == 8) {
+    if constexpr (kAsmLoops && MR == 8) {
       // in inline asm, as panel_rows_i16's int4 loop. NVFP4 folded, measured on the AMX Xeon VM with AMX off, ms,
       // C++ / asm: hot 1024x1024 1 thread M=16 0.134 / 0.127, M=32 0.241 / 0.224; cold, 2 threads, 5 interleaved
       // rounds, 4096x4096 M=16 1.178 / 1.120, M=64 3.994 / 3.743, 11008x4096 M=16 3.022 / 2.879, 2048x2048 M=16
@@ -441,7 +449,9 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
 #undef HF_I16_ROWS8
 
 #pragma GCC push_options
+#ifndef HF_W4_EMULATE_AVX512
 #pragma GCC target("avx512vbmi")
+#endif
 // NVFP4 with AVX512-VBMI: the e2m1 LUT applied to the bytes (vpermb, one uop for 64 codes; index bits 5:0 and the
 // LUT repeats every 16, so no masks - the word shift's stray bits land in bits 4..7 of the low bytes), then the
 // results sign-extended to words, instead of a vpermw per 32 codes (two uops on the project machine, the AMX Xeon
@@ -715,7 +725,7 @@ void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float*
 
 // HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
 static bool vbmi_enabled() {
-  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && __builtin_cpu_supports("avx512vbmi");
+  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && HF_W4_CPU_HAS_AVX512("avx512vbmi");
   return vbmi;
 }
 

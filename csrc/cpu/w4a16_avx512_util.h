@@ -1,7 +1,7 @@
 // AVX-512 helpers shared by the W4A16 AVX-512 and AMX kernels. Include only from files compiled with an AVX-512
-// `#pragma GCC target` (and after <immintrin.h>); internal linkage, so each file keeps its own copy.
+// `#pragma GCC target`; internal linkage, so each file keeps its own copy.
 #pragma once
-#include <immintrin.h>
+#include "simd512.h"
 #include <cstdint>
 
 #include "avx512_convert.h"
