@@ -73,22 +73,6 @@ inline simde__mmask16 cmplt_epi32_mask(simde__m512i x, simde__m512i y) {
   for (int i = 0; i < 16; ++i) k |= static_cast<simde__mmask16>((a[i] < b[i]) << i);
   return k;
 }
-// vpmovdw / vpmovdb: truncation
-inline simde__m256i cvtepi32_epi16(simde__m512i v) {
-  int32_t a[16]; get(a, v); int16_t r[16];
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<int16_t>(a[i]);
-  return put<simde__m256i>(r);
-}
-inline simde__m128i cvtepi32_epi8(simde__m512i v) {
-  int32_t a[16]; get(a, v); int8_t r[16];
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<int8_t>(a[i]);
-  return put<simde__m128i>(r);
-}
-inline simde__m512 cvtepi32_ps(simde__m512i v) {
-  int32_t a[16]; get(a, v); float r[16];
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(a[i]);
-  return put<simde__m512>(r);
-}
 // vcvtps2dq with the default rounding (nearest even); nan and out of range give 0x80000000
 inline simde__m512i cvtps_epi32(simde__m512 v) {
   float a[16]; get(a, v); int32_t r[16];
@@ -96,8 +80,9 @@ inline simde__m512i cvtps_epi32(simde__m512 v) {
     r[i] = a[i] >= -2147483648.0f && a[i] < 2147483648.0f ? static_cast<int32_t>(std::nearbyint(a[i])) : INT32_MIN;
   return put<simde__m512i>(r);
 }
+// element-wise static_cast: vpmovzx / vpmovsx (widen), vpmovdw / vpmovdb (truncate), vcvtdq2ps (exact or nearest)
 template <class S, class D, int N, class VS, class VD>
-inline VD widen(VS v) {
+inline VD convert(VS v) {
   S a[N]; get(a, v); D r[N];
   for (int i = 0; i < N; ++i) r[i] = static_cast<D>(a[i]);
   return put<VD>(r);
@@ -203,14 +188,14 @@ inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) 
 #define _mm512_maskz_loadu_epi8(k, p) hf_w4_emu::maskz_loadu_epi8(k, p)
 #define _mm512_maskz_loadu_ps(k, p) hf_w4_emu::maskz_loadu_ps(k, p)
 #define _mm512_cmplt_epi32_mask(a, b) hf_w4_emu::cmplt_epi32_mask(a, b)
-#define _mm512_cvtepi32_epi16(v) hf_w4_emu::cvtepi32_epi16(v)
-#define _mm512_cvtepi32_epi8(v) hf_w4_emu::cvtepi32_epi8(v)
-#define _mm512_cvtepi32_ps(v) hf_w4_emu::cvtepi32_ps(v)
+#define _mm512_cvtepi32_epi16(v) hf_w4_emu::convert<int32_t, int16_t, 16, simde__m512i, simde__m256i>(v)
+#define _mm512_cvtepi32_epi8(v) hf_w4_emu::convert<int32_t, int8_t, 16, simde__m512i, simde__m128i>(v)
+#define _mm512_cvtepi32_ps(v) hf_w4_emu::convert<int32_t, float, 16, simde__m512i, simde__m512>(v)
 #define _mm512_cvtps_epi32(v) hf_w4_emu::cvtps_epi32(v)
-#define _mm512_cvtepi8_epi32(v) hf_w4_emu::widen<int8_t, int32_t, 16, simde__m128i, simde__m512i>(v)
-#define _mm512_cvtepu8_epi32(v) hf_w4_emu::widen<uint8_t, int32_t, 16, simde__m128i, simde__m512i>(v)
-#define _mm512_cvtepu8_epi16(v) hf_w4_emu::widen<uint8_t, int16_t, 32, simde__m256i, simde__m512i>(v)
-#define _mm512_cvtepu16_epi32(v) hf_w4_emu::widen<uint16_t, int32_t, 16, simde__m256i, simde__m512i>(v)
+#define _mm512_cvtepi8_epi32(v) hf_w4_emu::convert<int8_t, int32_t, 16, simde__m128i, simde__m512i>(v)
+#define _mm512_cvtepu8_epi32(v) hf_w4_emu::convert<uint8_t, int32_t, 16, simde__m128i, simde__m512i>(v)
+#define _mm512_cvtepu8_epi16(v) hf_w4_emu::convert<uint8_t, int16_t, 32, simde__m256i, simde__m512i>(v)
+#define _mm512_cvtepu16_epi32(v) hf_w4_emu::convert<uint16_t, int32_t, 16, simde__m256i, simde__m512i>(v)
 #define _mm512_cvtph_ps(v) hf_w4_emu::cvtph_ps(v)
 #define _mm512_cvtps_ph(v, imm) hf_w4_emu_cvtps_ph(v, imm)
 #define _mm512_reduce_add_epi32(v) hf_w4_emu::reduce_add_epi32(v)
