@@ -19,8 +19,9 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 
 # ---- W4A16 (cpu_w4a16)
 # Kernel layout (see csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns),
-# scales fp32 [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]), zs fp32 [P, G, 32] = zero*scale
-# (asymmetric int4 only, else an empty tensor). gemm: isa "" = auto (env HF_W4_ISA caps it),
+# scales fp32 [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]; the repack refuses the NaN bytes 0x7f / 0xff),
+# zs fp32 [P, G, 32] = zero*scale (asymmetric int4 only, else an empty tensor). group_size: an even divisor of K > 0
+# (channel-wise: K, not -1). gemm: isa "" = auto (env HF_W4_ISA caps it),
 # "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear (bf16
 # x: a bf16 GEMM), 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to
 # auto), 3 = int16 activations x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd; any x dtype when forced, inf / nan in
@@ -45,8 +46,9 @@ lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Ten
 # fp32 2.837 / 7.269)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 # cpu_w4a16_quant_x16: the int16 path's activation quantizer alone (tests): x [M, K] -> (xq int16 [M, K], xs fp32
-# [M, K / block] = the power-of-two scale, xd int32 [M, K / block] = the sum of the block's xq); l1max > 0 also bounds
-# each block's sum of |xq| (the folded NVFP4 kernel); an error on inf / nan. isa as for cpu_w4a16_gemm.
+# [M, K / block] = the power-of-two scale, xd int32 [M, K / block] = the sum of the block's xq); l1max > 0 (at least
+# 2 * block) also bounds each block's sum of |xq| (the folded NVFP4 kernel); an error on inf / nan. isa as for
+# cpu_w4a16_gemm.
 lib.define("cpu_w4a16_quant_x16(Tensor x, int block, int l1max=0, str isa=\"\") -> (Tensor, Tensor, Tensor)")
 
 

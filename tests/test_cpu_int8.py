@@ -514,3 +514,60 @@ def test_bad_perm_is_refused():
             torch.ops.hf_w4.int8_repack(*args(perm))
         with pytest.raises(RuntimeError, match="perm .*" + what):
             torch.ops.hf_w4.int8_gemm(torch.randn(2, 256), p, s, z, perm, None, "int4", 64, 256, 64, False, "")
+
+
+def test_bad_inputs_are_refused():
+    """Inputs the kernels cannot run as given are errors naming the op, the tensor and what was found (they used to be
+    accepted and give wrong numbers, or raise torch's IndexError): zero points with int8 weights, nibble slots outside
+    0..7, int4 values held in int8 outside -8..7, non-integer zero points, group sizes other than -1 or a positive
+    divisor of K, K = 0, a 0-d x."""
+    n, k = 64, 128
+    spec, qw = make_qweight("w8a8", n, k, -1, seed=3)
+    p, s, z = ops.int8_repack(qw)
+    x = torch.randn(3, k)
+    with pytest.raises(RuntimeError, match=r"hf_w4 int8 gemm: zero points are only supported for int4 weights \(int8 "
+                                           r"weights have the implicit zero 128\), got zeros \[1, 1, 64\]"):
+        ops.int8_gemm(x, p, s, torch.zeros(1, 1, 64, dtype=torch.int32), "int8", n, k, -1)
+    c4 = torch.randint(0, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32)
+    rp = lambda codes, wt="int4", slots=tuple(range(8)), zeros=None, gs=-1, kk=k: torch.ops.hf_w4.int8_repack(
+        codes, wt, 0, list(slots), torch.ones(n, kk // gs if gs > 0 else 1), zeros, None, n, kk, gs)
+    with pytest.raises(RuntimeError, match=r"hf_w4 int8 repack: slots must be in 0..7, got slots\[7\] = 9"):
+        rp(c4, slots=(0, 1, 2, 3, 4, 5, 6, 9))
+    for lo, hi in ((-8, 100), (-9, 7)):
+        w = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+        w[5, 7], w[9, 3] = lo, hi
+        with pytest.raises(RuntimeError, match=f"hf_w4 int8 repack: int8-held int4 weights must be in -8..7, found "
+                                               f"values from {lo} to {hi}"):
+            rp(w)
+    rp(torch.randint(-8, 8, (n, k), dtype=torch.int8))
+    zeros = torch.full((n, 1), 8.0)
+    zeros[3, 0] = 7.5
+    with pytest.raises(RuntimeError, match=r"hf_w4 int8 repack: zero points must be integers \(code units\) in the "
+                                           r"int32 range, got zeros\[3, 0\] = 7.5"):
+        rp(c4, zeros=zeros)
+    for gs in (-5, 0, 48, 256):
+        msg = f"group_size must be -1 \\(channel-wise\\) or a positive divisor of K={k}, got {gs}"
+        with pytest.raises(RuntimeError, match="hf_w4 int8 repack: " + msg):
+            rp(c4, gs=gs)
+        with pytest.raises(RuntimeError, match="hf_w4 int8 gemm: " + msg):
+            ops.int8_gemm(x, p, s, None, "int8", n, k, gs)
+        with pytest.raises(RuntimeError, match="hf_w4 int8 quant_act: " + msg):
+            torch.ops.hf_w4.int8_quant_act(x, gs, "")
+    with pytest.raises(RuntimeError, match="hf_w4 int8 repack: K must be positive, got K=0"):
+        rp(c4[:, :0], kk=0)
+    with pytest.raises(RuntimeError, match="hf_w4 int8 gemm: K must be positive, got K=0"):
+        ops.int8_gemm(torch.randn(3, 0), torch.empty(1, 0, dtype=torch.uint8), torch.empty(1, 0, 64), None, "int8",
+                      5, 0, -1)
+    with pytest.raises(RuntimeError, match="hf_w4 int8 quant_act: K must be positive, got K=0"):
+        torch.ops.hf_w4.int8_quant_act(torch.randn(2, 0), -1, "")
+    with pytest.raises(RuntimeError, match=f"hf_w4 int8 gemm: x must be \\[..., K\\] with K={k}, got a 0-d tensor"):
+        ops.int8_gemm(torch.tensor(1.0), p, s, None, "int8", n, k, -1)
+    with pytest.raises(RuntimeError, match=r"hf_w4 int8 quant_act: x must be \[..., K\], got a 0-d tensor"):
+        torch.ops.hf_w4.int8_quant_act(torch.tensor(1.0), -1, "")
+    # still accepted: -1 and K for channel-wise, empty zeros with int8 weights
+    y = ops.int8_gemm(x, p, s, None, "int8", n, k, -1)
+    assert torch.equal(y, ops.int8_gemm(x, p, s, torch.empty(0, dtype=torch.int32), "int8", n, k, k))
+    check(y, reference(qw, x, "int8_token"), torch.float32, "channel-wise after the checks")
+    from hf_w4.kernels.cpu_int8 import CpuInt8Kernel
+    ok, why = CpuInt8Kernel.can_implement(spec, n, 0, torch.device("cpu"), torch.float32)
+    assert not ok and "K=0" in why

@@ -808,3 +808,82 @@ def test_bad_perm_and_isa_are_refused(monkeypatch):
     monkeypatch.setenv("HF_W4_ISA", "portable")
     with pytest.raises(RuntimeError, match="HF_W4_ISA must be one of auto, avx512, avx2, generic; got 'portable'"):
         ops.cpu_w4a16_gemm(x, q, s, z, 64, 64, "int4")
+
+
+def test_nvfp4_nan_scale_bytes_are_refused():
+    """An NVFP4 block scale byte 0x7f / 0xff is fp8 e4m3 NaN: the AVX2 / AVX-512 decodes would read it as +-480, a
+    finite scale, so the result would depend on the ISA. cpu_w4a16_repack refuses it (as to_qweight refuses
+    non-finite scales); the largest finite bytes 0x7e / 0xfe (+-448) still repack."""
+    import dataclasses
+    spec, qw = make_qweight("ct_nvfp4", 32, 64, 16, seed=4)
+    for at, byte, shown in (((0, 1), 0x7F, "7f"), ((1, 2), 0xFF, "ff")):
+        sc = qw.scales.clone()
+        sc[at] = byte
+        with pytest.raises(RuntimeError, match=rf"cpu_w4a16_repack: nvfp4 scale \[{at[0]}, {at[1]}\] is the fp8 e4m3 "
+                                               rf"NaN byte 0x{shown}; block scales must be finite"):
+            ops.cpu_w4a16_repack(dataclasses.replace(qw, scales=sc))
+    sc = qw.scales.clone()
+    sc[0, 1], sc[1, 2] = 0x7E, 0xFE
+    qw = dataclasses.replace(qw, scales=sc)
+    x = torch.randn(2, 64)
+    y = ops.cpu_w4a16_gemm(x, *ops.cpu_w4a16_repack(qw), 32, 16, "nvfp4", global_scale=qw.global_scale)
+    check(y, x, layouts.dequantize(qw), None, False, "nvfp4 scale bytes 0x7e / 0xfe")
+
+
+def test_gemm_and_repack_shape_errors():
+    """K = 0 is an error (it used to return zeros on the fused path and kill the process with SIGFPE on the
+    others: an integer division by K); group_size -1 (channel-wise in the checkpoint) says to pass K; 1-D zeros /
+    nvfp4 scales get the op's message, not torch's IndexError."""
+    q0, s0, z0 = torch.empty(1, 0, 32, dtype=torch.uint8), torch.empty(1, 0, 32), torch.empty(0)
+    for path, M, dt in ((0, 3, torch.float32), (4, 3, torch.float32), (-1, 100, torch.float32),
+                        (-1, 1, torch.bfloat16), (3, 1, torch.float32)):
+        for isa in ISAS:
+            with pytest.raises(RuntimeError, match="cpu_w4a16_gemm: x has K=0 columns; K must be positive"):
+                ops.cpu_w4a16_gemm(torch.randn(M, 0).to(dt), q0, s0, z0, 5, 16, "int4", isa=isa, path=path)
+    with pytest.raises(RuntimeError, match="cpu_w4a16_quant_x16: x has K=0 columns; K must be positive"):
+        torch.ops.hf_w4.cpu_w4a16_quant_x16(torch.randn(2, 0), 4, 0, "")
+    spec, qw = make_qweight("ct_pack", 64, 128, 32)
+    q, s, z, perm = prep(qw)
+    with pytest.raises(RuntimeError, match=r"cpu_w4a16_gemm: the group size must be even and divide K \(channel-wise: "
+                                           r"group_size = K, not -1; nvfp4: 16\), got K=128, group_size=-1"):
+        ops.cpu_w4a16_gemm(torch.randn(2, 128), q, s, z, 64, -1, "int4")
+    args = lambda **kw: {**dict(codes=qw.codes, pack_dim=qw.pack_dim, slots=list(qw.slots), scales=qw.scales,
+                                zeros=None, perm=None, n=64, k=128, group_size=32, weight_type="int4"), **kw}
+    for kw, msg in ((dict(group_size=-1), r"channel-wise: group_size = K, not -1; nvfp4: 16\), got K=128, "
+                                          r"group_size=-1"),
+                    (dict(k=0, codes=qw.codes[:, :0]), "need K > 0 even .* got K=0"),
+                    (dict(zeros=torch.zeros(64)), r"zeros must be \[N, G\] = \[64, 4\], got \[64\]"),
+                    (dict(scales=torch.zeros(64, dtype=torch.uint8), group_size=16, weight_type="nvfp4"),
+                     r"nvfp4 scales must be uint8 \(fp8 e4m3 bits\) \[N, K/16\] = \[64, 8\], got Byte \[64\]"),
+                    (dict(slots=[0, 1, 2, 3, 4, 5, 6, 9]), r"slots must be in 0..7, got slots\[7\] = 9")):
+        with pytest.raises(RuntimeError, match="cpu_w4a16_repack: .*" + msg):
+            torch.ops.hf_w4.cpu_w4a16_repack(*args(**kw).values())
+
+
+def test_quant_x16_l1max_is_checked():
+    """l1max (the block-sum bound of the folded NVFP4 kernel) must be 0 or at least 2 * block: at or below block / 2
+    the bound cannot be met (the scale search never ended, or gave inf scales at block / 2)."""
+    x = torch.randn(2, 64)
+    for isa in ISAS:
+        for l1max in (-5, 8, 1, 5, 31):
+            with pytest.raises(RuntimeError, match=rf"cpu_w4a16_quant_x16: l1max must be 0 \(no bound\) or at least "
+                                                   rf"2 \* block = 32, got {l1max}"):
+                torch.ops.hf_w4.cpu_w4a16_quant_x16(x, 16, l1max, isa)
+        for l1max in (0, 32):
+            xq, xs, xd = torch.ops.hf_w4.cpu_w4a16_quant_x16(x, 16, l1max, isa)
+            rq, rs, rd = quant_x16_ref(x, 16, l1max)
+            assert torch.equal(xq, rq) and torch.equal(xs, rs) and torch.equal(xd, rd), (isa, l1max)
+            assert bool(torch.isfinite(xs).all())
+
+
+def test_registry_rejects_k0_with_a_reason():
+    """A layer with no input features: a rejection reason from can_implement, not a ZeroDivisionError."""
+    from hf_w4.kernels import registry
+    from hf_w4.kernels.cpu_w4a16 import CpuW4A16Kernel
+    cpu = torch.device("cpu")
+    for spec in (W4Spec(method="test", layout="ct_pack", weight_type="int4", bits=4, group_size=-1, sym=True),
+                 W4Spec(method="test", layout="ct_nvfp4", weight_type="nvfp4", bits=4, group_size=16, sym=True)):
+        ok, why = CpuW4A16Kernel.can_implement(spec, 64, 0, cpu, torch.float32)
+        assert not ok and "K=0" in why
+        cls, reasons = registry.select(spec, 64, 0, cpu, torch.float32)
+        assert cls is not CpuW4A16Kernel and "K=0" in reasons["cpu_w4a16"]

@@ -1,10 +1,12 @@
 // hf_w4 int8 kernel: torch glue (schemas live in hf_w4/ops.py). Threads via at::parallel_for only.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -55,14 +57,21 @@ const int64_t* perm_ptr(const std::optional<at::Tensor>& perm, int64_t k, at::Te
 
 std::string isa_op(c10::string_view isa) { return isa_name(check_isa(isa)); }
 
+// K > 0, and group_size -1 (channel-wise) or a positive divisor of K
+void check_group(int64_t group_size, int64_t k, const char* op) {
+  TORCH_CHECK(k > 0, op, ": K must be positive, got K=", k);
+  TORCH_CHECK(group_size == -1 || (group_size > 0 && k % group_size == 0), op,
+              ": group_size must be -1 (channel-wise) or a positive divisor of K=", k, ", got ", group_size);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c10::string_view weight_type,
                                                       int64_t pack_dim, c10::IntArrayRef slots,
                                                       const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                                       const std::optional<at::Tensor>& perm, int64_t n, int64_t k,
                                                       int64_t group_size) {
   const int wt = wtype_of(std::string(weight_type));
+  check_group(group_size, k, "hf_w4 int8 repack");
   const Geometry g = make_geometry(n, k, group_size, wt);
-  TORCH_CHECK(g.gs > 0 && k % g.gs == 0, "hf_w4 int8 kernel: group_size ", group_size, " does not divide K=", k);
   TORCH_CHECK(codes.dim() == 2, "hf_w4 int8 repack: codes must be 2-D");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == g.G,
               "hf_w4 int8 repack: scales must be [N, G] = [", n, ", ", g.G, "], got ", scales.sizes());
@@ -74,6 +83,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
     TORCH_CHECK(wt == W_INT4, "hf_w4 int8 repack: zero points are only supported for int4 weights");
     TORCH_CHECK(zeros->sizes() == scales.sizes(), "hf_w4 int8 repack: zeros must be [N, G] like scales");
     z = zeros->to(at::kFloat).contiguous();
+    // stored as int32 (the integer dot products subtract zero * sum(x))
+    const float* zp = z.data_ptr<float>();
+    for (int64_t i = 0; i < z.numel(); ++i)
+      TORCH_CHECK(std::nearbyint(zp[i]) == zp[i] && std::fabs(zp[i]) < 2147483648.f,
+                  "hf_w4 int8 repack: zero points must be integers (code units) in the int32 range, got zeros[",
+                  i / g.G, ", ", i % g.G, "] = ", zp[i]);
   }
   const int64_t panel_bytes = wt == W_INT8 ? g.Kp * NR : g.Kp * NR / 2;
   at::Tensor out = at::empty({g.P, panel_bytes}, codes.options().dtype(at::kByte));
@@ -90,6 +105,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
     // int4 values -8..7 one per int8 (compressed-tensors int-quantized W4A8): nibble codes v + 8
     TORCH_CHECK(codes.size(0) == n && codes.size(1) == k, "hf_w4 int8 repack: int8-held int4 weights must be [N, K]");
     TORCH_CHECK(!z.defined(), "hf_w4 int8 repack: int8-held int4 weights are symmetric");
+    if (codes.numel()) {
+      const auto mm = at::aminmax(codes);
+      const int lo = std::get<0>(mm).item<int8_t>(), hi = std::get<1>(mm).item<int8_t>();
+      TORCH_CHECK(lo >= -8 && hi <= 7, "hf_w4 int8 repack: int8-held int4 weights must be in -8..7, found values from ",
+                  lo, " to ", hi);
+    }
     const int8_t* w = codes.data_ptr<int8_t>();
     const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
     at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) { repack_int4_from_int8(g, w, s0, s1, pp, out.data_ptr<uint8_t>(), b, e); });
@@ -104,7 +125,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
                   "hf_w4 int8 repack: codes packed along N must be [N/8, K]");
     }
     int sl[8];
-    for (int i = 0; i < 8; ++i) sl[i] = (int)slots[i];
+    for (int i = 0; i < 8; ++i) {
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < 8, "hf_w4 int8 repack: slots must be in 0..7, got slots[", i, "] = ",
+                  slots[i]);
+      sl[i] = (int)slots[i];
+    }
     const int32_t* c = codes.data_ptr<int32_t>();
     const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
     at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) {
@@ -142,8 +167,9 @@ ActQ quantize(const at::Tensor& x2, const int64_t* pp, const Geometry& g, bool a
   return r;
 }
 
-at::Tensor flat2d(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.size(-1) == k, "hf_w4 int8 kernel: x has ", x.size(-1), " features, expected K=", k);
+at::Tensor flat2d(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., K] with K=", k, ", got a 0-d tensor");
+  TORCH_CHECK(x.size(-1) == k, op, ": x has ", x.size(-1), " features, expected K=", k);
   at::Tensor x2 = x.reshape({-1, k});
   if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < k)) x2 = x2.contiguous();
   return x2;
@@ -151,10 +177,11 @@ at::Tensor flat2d(const at::Tensor& x, int64_t k) {
 
 std::tuple<at::Tensor, at::Tensor> quant_act_op(const at::Tensor& x, int64_t group_size, c10::string_view isa_req) {
   const int isa = check_isa(isa_req);
+  TORCH_CHECK(x.dim() >= 1, "hf_w4 int8 quant_act: x must be [..., K], got a 0-d tensor");
   const int64_t k = x.size(-1);
+  check_group(group_size, k, "hf_w4 int8 quant_act");
   const bool act_group = group_size > 0 && group_size != k;
-  TORCH_CHECK(!act_group || k % group_size == 0, "hf_w4 int8 quant_act: group_size must divide K");
-  at::Tensor x2 = flat2d(x, k);
+  at::Tensor x2 = flat2d(x, k, "hf_w4 int8 quant_act");
   dtype_code(x2.scalar_type());
   const Geometry g = make_geometry(1, k, act_group ? group_size : k, W_INT8);
   ActQ a = quantize(x2, nullptr, g, act_group, isa);
@@ -183,8 +210,8 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(!want_amx || amx_usable(), "hf_w4 int8 kernel: AMX-INT8 is not available (CPU or OS)");
   const int isa = check_isa(want_amx ? c10::string_view("avx512") : isa_req);
   const int wt = wtype_of(std::string(weight_type));
+  check_group(group_size, k, "hf_w4 int8 gemm");
   const Geometry g = make_geometry(n, k, group_size, wt);
-  TORCH_CHECK(g.gs > 0 && k % g.gs == 0, "hf_w4 int8 gemm: group_size ", group_size, " does not divide K=", k);
   const int64_t panel_bytes = wt == W_INT8 ? g.Kp * NR : g.Kp * NR / 2;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == g.P * panel_bytes,
               "hf_w4 int8 gemm: packed weight does not match N=", n, ", K=", k, ", group_size=", group_size);
@@ -192,10 +219,12 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "hf_w4 int8 gemm: packed scales do not match the geometry");
   const bool has_z = zeros.has_value() && zeros->defined() && zeros->numel() > 0;
   if (has_z) {
+    TORCH_CHECK(wt == W_INT4, "hf_w4 int8 gemm: zero points are only supported for int4 weights (int8 weights have "
+                "the implicit zero 128), got zeros ", zeros->sizes(), " with weight_type 'int8'");
     TORCH_CHECK(zeros->scalar_type() == at::kInt && zeros->is_contiguous() && zeros->numel() == g.P * g.G * NR,
                 "hf_w4 int8 gemm: packed zeros do not match the geometry");
   }
-  at::Tensor x2 = flat2d(x, k);
+  at::Tensor x2 = flat2d(x, k, "hf_w4 int8 gemm");
   const int ot = dtype_code(x2.scalar_type());
   at::Tensor pk;
   const int64_t* pp = perm_ptr(perm, k, pk);

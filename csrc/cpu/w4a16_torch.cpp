@@ -45,8 +45,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(
   const int64_t gs = nvfp4 ? 16 : group_size;
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kInt, "cpu_w4a16_repack: codes must be int32 on CPU");
   TORCH_CHECK(codes.dim() == 2, "cpu_w4a16_repack: codes must be 2-D");
-  TORCH_CHECK(k % 2 == 0 && gs > 0 && gs % 2 == 0 && k % gs == 0,
-              "cpu_w4a16_repack: need K even and an even group size dividing K (K=", k, ", group_size=", gs, ")");
+  TORCH_CHECK(k > 0 && k % 2 == 0 && gs > 0 && gs % 2 == 0 && k % gs == 0,
+              "cpu_w4a16_repack: need K > 0 even and an even group size dividing K (channel-wise: group_size = K, "
+              "not -1; nvfp4: 16), got K=", k, ", group_size=", gs);
   TORCH_CHECK(slots.size() == 8, "cpu_w4a16_repack: slots must have 8 entries");
   TORCH_CHECK(pd == "k" || pd == "n", "cpu_w4a16_repack: pack_dim must be 'k' or 'n'");
   if (pd == "k") {
@@ -62,22 +63,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(
   r.codes = codes.data_ptr<int32_t>(); r.cs0 = codes.stride(0); r.cs1 = codes.stride(1);
   r.pack_k = pd == "k";
   for (int j = 0; j < 8; ++j) {
-    TORCH_CHECK(slots[j] >= 0 && slots[j] < 8, "cpu_w4a16_repack: slots must be in 0..7");
+    TORCH_CHECK(slots[j] >= 0 && slots[j] < 8, "cpu_w4a16_repack: slots must be in 0..7, got slots[", j, "] = ",
+                slots[j]);
     r.slots[j] = static_cast<int>(slots[j]);
   }
   at::Tensor sc, zc, pm;
   if (nvfp4) {
-    TORCH_CHECK(scales.scalar_type() == at::kByte && scales.size(0) == n && scales.size(1) == G,
-                "cpu_w4a16_repack: nvfp4 scales must be uint8 (fp8 e4m3 bits) [N, K/16]");
+    TORCH_CHECK(scales.scalar_type() == at::kByte && scales.dim() == 2 && scales.size(0) == n && scales.size(1) == G,
+                "cpu_w4a16_repack: nvfp4 scales must be uint8 (fp8 e4m3 bits) [N, K/16] = [", n, ", ", G, "], got ",
+                scales.scalar_type(), " ", scales.sizes());
     sc = scales.contiguous();
     r.scales8 = sc.data_ptr<uint8_t>();
+    // e4m3 has no inf; 0x7f / 0xff are NaN, which the AVX2 / AVX-512 decodes would read as +-480 (a finite scale)
+    for (int64_t i = 0; i < n * G; ++i)
+      TORCH_CHECK((r.scales8[i] & 0x7f) != 0x7f, "cpu_w4a16_repack: nvfp4 scale [", i / G, ", ", i % G,
+                  "] is the fp8 e4m3 NaN byte 0x", (r.scales8[i] == 0xff ? "ff" : "7f"),
+                  "; block scales must be finite");
   } else {
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == G,
                 "cpu_w4a16_repack: scales must be [N, G] = [", n, ", ", G, "], got ", scales.sizes());
     sc = scales.to(at::kFloat).contiguous();
     r.scales = sc.data_ptr<float>();
     if (zeros) {
-      TORCH_CHECK(zeros->size(0) == n && zeros->size(1) == G, "cpu_w4a16_repack: zeros must be [N, G]");
+      TORCH_CHECK(zeros->dim() == 2 && zeros->size(0) == n && zeros->size(1) == G,
+                  "cpu_w4a16_repack: zeros must be [N, G] = [", n, ", ", G, "], got ", zeros->sizes());
       zc = zeros->to(at::kFloat).contiguous();
       r.zeros = zc.data_ptr<float>();
     }
@@ -282,8 +291,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_x16_op(const at::Tensor& x_
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "cpu_w4a16_quant_x16: x must be float32, bfloat16 or float16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(K > 0, "cpu_w4a16_quant_x16: x has K=0 columns; K must be positive");
   TORCH_CHECK(block >= 4 && block <= 4096 && block % 4 == 0 && K % block == 0,
               "cpu_w4a16_quant_x16: block must be a multiple of 4 up to 4096 that divides K, got ", block);
+  // each element rounds by up to 1/2: a bound <= block / 2 is never met (the scale search would not end), and one
+  // just above it can push the scale past the fp32 range; from 2 * block the scale stays below 2^127
+  TORCH_CHECK(l1max == 0 || l1max >= 2 * block,
+              "cpu_w4a16_quant_x16: l1max must be 0 (no bound) or at least 2 * block = ", 2 * block, ", got ", l1max);
   const at::Tensor x = x_in.contiguous();
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
   at::Tensor xs = at::empty({M, K / block}, x.options().dtype(at::kFloat));
@@ -494,7 +508,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
               "cpu_w4a16_gemm: x must be float32, bfloat16 or float16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t gs = mode == W4_NVFP4 ? 16 : group_size;
-  TORCH_CHECK(gs > 0 && K % gs == 0, "cpu_w4a16_gemm: group size must divide K");
+  TORCH_CHECK(K > 0, "cpu_w4a16_gemm: x has K=0 columns; K must be positive");
+  TORCH_CHECK(gs > 0 && gs % 2 == 0 && K % gs == 0,
+              "cpu_w4a16_gemm: the group size must be even and divide K (channel-wise: group_size = K, not -1; "
+              "nvfp4: 16), got K=", K, ", group_size=", gs);
   const int64_t G = K / gs, P = (n + W4_NP - 1) / W4_NP;
   TORCH_CHECK(qpack.scalar_type() == at::kByte && qpack.numel() == P * (K / 2) * W4_NP && qpack.is_contiguous(),
               "cpu_w4a16_gemm: qpack does not match N=", n, ", K=", K);

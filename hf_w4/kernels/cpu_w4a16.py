@@ -57,10 +57,12 @@ class CpuW4A16Kernel(Kernel):
             return ok, why
         if spec.bits != 4:
             return False, f"{spec.bits}-bit weights not supported (4-bit only)"
+        if k <= 0:
+            return False, f"K={k}: the layer has no input features"
         gs = 16 if spec.weight_type == "nvfp4" else spec.effective_group(k)
         if k % 2:
             return False, f"K={k} is odd (the packed layout pairs K columns)"
-        if gs % 2 or k % gs:
+        if gs <= 0 or gs % 2 or k % gs:
             return False, f"group size {gs} must be even and divide K={k}"
         return OK
 
