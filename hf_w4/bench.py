@@ -341,12 +341,15 @@ def _shape(ap, s: str, group_size: int) -> Tuple[int, int]:
     return k, n
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hf_w4.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=None, help="comma list of KxN (default: %s)" %
-                    ",".join(f"{k}x{n}" for k, n in SHAPES))
+def main(argv: Optional[List[str]] = None, prog: str = "python -m hf_w4.bench", description: Optional[str] = None,
+         shapes: Optional[str] = None, contenders: Optional[str] = None) -> int:
+    """``shapes`` / ``contenders``: other defaults for --shapes / --contenders (hf_w4.bench_int8 passes its own)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=shapes, help="comma list of KxN (default: %s)" %
+                    (shapes or ",".join(f"{k}x{n}" for k, n in SHAPES)))
     ap.add_argument("--m", default=None, help="comma list of M (default: %s)" % ",".join(map(str, MS)))
-    ap.add_argument("--contenders", default=None, help="comma list of names (default: all available)")
+    ap.add_argument("--contenders", default=contenders,
+                    help="comma list of names (default: %s)" % (contenders or "all available"))
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cold-mib", type=float, default=None, help="default: max(96, 2 x the L3 size in MiB)")

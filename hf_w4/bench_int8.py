@@ -16,7 +16,6 @@ max|w|/127; W4A8 / W4A16: symmetric int4, group 128).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
 import torch
@@ -179,14 +178,9 @@ def table(results, shapes, ms, names) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m hf_w4.bench_int8``: the repo benchmark (hf_w4.bench) restricted to 4096x4096 and to dense bf16,
     cpu_w4a16 and the int8 / zentorch contenders; every hf_w4.bench option applies."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"--shapes": "4096x4096",
-                "--contenders": ",".join(["bf16", "ours_int4"] + [c.name for c in CONTENDERS])}
-    for opt, val in defaults.items():
-        if not any(a == opt or a.startswith(opt + "=") for a in argv):
-            argv += [opt, val]
     from .bench import main as bench_main
-    return bench_main(argv)
+    return bench_main(argv, prog="python -m hf_w4.bench_int8", description=__doc__.split("\n")[0],
+                      shapes="4096x4096", contenders=",".join(["bf16", "ours_int4"] + [c.name for c in CONTENDERS]))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """``QuantLinear``: a Linear whose weight stays in the checkpoint's packed form.
 
-Parameters are named, shaped and typed exactly as on disk (so transformers loads them as they are, disk
-offload and ``.to()`` cannot cast them, and ``state_dict``/``save_pretrained`` write the checkpoint's own
-format). The selected kernel's repacked copy lives in non-persistent buffers. When the kernel can give the codes
-back exactly (``Kernel.CAN_UNPACK_CODES``), the checkpoint's code tensor is dropped after the repack, so the
+The checkpoint tensors are persistent buffers, as in transformers' GPTQ / AWQ modules, named, shaped and typed
+exactly as on disk (so transformers loads them as they are, ``.to()`` cannot cast them, ``requires_grad_`` and
+optimizers never see them, and ``state_dict``/``save_pretrained`` write the checkpoint's own format); only the
+bias is a parameter. The selected kernel's repacked copy lives in non-persistent buffers. When the kernel can give
+the codes back exactly (``Kernel.CAN_UNPACK_CODES``), the checkpoint's code tensor is dropped after the repack, so the
 packed weight is held once, and rebuilt from the kernel's copy whenever it is asked for (``state_dict``,
 ``save_pretrained``, ``dequantize``, a new kernel); ``HF_W4_KEEP_CHECKPOINT_TENSORS=1`` keeps both copies.
 """
@@ -19,6 +20,16 @@ from . import layouts
 from .formats.spec import W4Spec
 from .kernels import registry
 
+_ENV_BOOLS = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
+
+
+def keep_checkpoint_tensors() -> bool:
+    """``HF_W4_KEEP_CHECKPOINT_TENSORS``: keep the checkpoint's code tensor next to the kernel's copy."""
+    v = os.environ.get("HF_W4_KEEP_CHECKPOINT_TENSORS", "")
+    if v.strip().lower() not in _ENV_BOOLS:
+        raise ValueError(f"HF_W4_KEEP_CHECKPOINT_TENSORS={v!r}: expected one of 0/1/true/false/yes/no")
+    return _ENV_BOOLS[v.strip().lower()]
+
 
 class QuantLinear(nn.Module):
     def __init__(self, spec: W4Spec, in_features: int, out_features: int, name: str,
@@ -27,7 +38,7 @@ class QuantLinear(nn.Module):
         self.spec, self.in_features, self.out_features, self.name = spec, in_features, out_features, name
         self.tensor_names = tuple(tensors)
         for t, (shape, dtype) in tensors.items():
-            self.register_parameter(t, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+            self.register_buffer(t, torch.empty(shape, dtype=dtype))
         if spec.has_bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype), requires_grad=False)
         else:
@@ -47,8 +58,18 @@ class QuantLinear(nn.Module):
 
     def __getattr__(self, name: str):
         if name in self.__dict__.get("_dropped", ()):  # e.g. ``module.weight`` of a ModelOpt layer: rebuilt
-            return self._rebuild(name)
-        return super().__getattr__(name)
+            with torch.inference_mode():  # a copy: an in-place edit of it raises instead of being lost
+                return self._rebuild(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight" or "spec" not in self.__dict__:
+                raise
+        # e.g. resize_token_embeddings on a quantized lm_head: say what works instead
+        raise AttributeError(
+            f"{self.name} is an hf_w4 QuantLinear ({self.spec.method}, {self.spec.describe()}) with no dense "
+            "'weight'; code that needs one (e.g. resize_token_embeddings on a quantized lm_head) works after "
+            "model.dequantize(), or with a checkpoint that leaves this module dense")
 
     def _rebuild(self, t: str) -> torch.Tensor:
         shape, dtype = self._dropped[t]
@@ -96,22 +117,21 @@ class QuantLinear(nn.Module):
         spec = self.spec.replace(has_g_idx=False) if self.spec.has_g_idx and qw.g_idx is None else self.spec
         cls, self.kernel_reasons = registry.select(spec, self.out_features, self.in_features, device, dtype,
                                                    force=force, deny=deny, name=self.name)
-        for b in list(self._buffers):
-            del self._buffers[b]
+        for b in list(self._non_persistent_buffers_set):  # the old kernel's
+            delattr(self, b)
         kernel = cls(spec, self.out_features, self.in_features)
         kernel.prepare(self, qw)
         self.kernel = kernel
         self._kernel_request = (dtype, force, tuple(deny))
         # hold the packed weight once: the kernel's copy stands in for the checkpoint's code tensor if it can
         code = layouts.CODE_TENSOR.get(self.spec.layout)
-        keep = os.environ.get("HF_W4_KEEP_CHECKPOINT_TENSORS", "") not in ("", "0")
-        if code in self.tensor_names and kernel.CAN_UNPACK_CODES and not keep:
+        if code in self.tensor_names and kernel.CAN_UNPACK_CODES and not keep_checkpoint_tensors():
             if code not in self._dropped:
-                p = self._parameters.pop(code)
-                self._dropped[code] = (tuple(p.shape), p.dtype)
+                b = self._buffers.pop(code)
+                self._dropped[code] = (tuple(b.shape), b.dtype)
         elif code in self._dropped:  # this kernel cannot rebuild it: the checkpoint tensor comes back
             del self._dropped[code]
-            self.register_parameter(code, nn.Parameter(tensors[code], requires_grad=False))
+            self.register_buffer(code, tensors[code])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -120,12 +140,12 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # a dropped code tensor in the state dict comes back as a parameter to load into; either way the kernel is
+        # a dropped code tensor in the state dict comes back as a buffer to load into; either way the kernel is
         # repacked afterwards from the new tensors (forward, state_dict and dequantize must keep agreeing)
         for t in [t for t in self._dropped if prefix + t in state_dict]:
             v = self._rebuild(t)
             del self._dropped[t]
-            self.register_parameter(t, nn.Parameter(v, requires_grad=False))
+            self.register_buffer(t, v)
         n_err = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

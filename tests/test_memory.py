@@ -43,7 +43,7 @@ def test_code_tensor_dropped_and_rebuilt_bit_exact(written, tmp_path, fmt, opts)
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert qls and all(m.kernel.NAME in ("cpu_w4a16", "cpu_int8") for m in qls)
-    assert not [m.name for m in qls if layouts.CODE_TENSOR[m.spec.layout] in dict(m.named_parameters(recurse=False))]
+    assert not [m.name for m in qls if layouts.CODE_TENSOR[m.spec.layout] in dict(m.named_buffers(recurse=False))]
     for m in qls:
         code = layouts.CODE_TENSOR[m.spec.layout]
         own = dict(m.named_parameters(recurse=False)) | dict(m.named_buffers(recurse=False))
@@ -76,7 +76,7 @@ def test_w4a8_opt_in_rebuilds_bit_exact(written, fmt, opts):
                                                  quantization_config=hf_w4.GPTQConfig(activation="int8")
                                                  if fmt == "gptq" else hf_w4.AwqConfig(activation="int8"))
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert qls and all(m.kernel.NAME == "cpu_int8" and "qweight" not in dict(m.named_parameters()) for m in qls)
+    assert qls and all(m.kernel.NAME == "cpu_int8" and "qweight" not in dict(m.named_buffers()) for m in qls)
     disk = load_file(os.path.join(res.path, "model.safetensors"))
     sd = model.state_dict()
     assert all(_same(sd[k], disk[k]) for k in disk)
@@ -88,7 +88,7 @@ def test_memory_is_one_copy(written, monkeypatch):
     monkeypatch.setenv("HF_W4_KEEP_CHECKPOINT_TENSORS", "1")
     both = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     code_bytes = sum(m.qweight.numel() * 4 for m in both.modules() if isinstance(m, QuantLinear))
-    assert all("qweight" in dict(m.named_parameters()) for m in both.modules() if isinstance(m, QuantLinear))
+    assert all("qweight" in dict(m.named_buffers()) for m in both.modules() if isinstance(m, QuantLinear))
     assert _held_bytes(both) - _held_bytes(lean) == code_bytes
     x = _tokens()
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_other_kernel_gets_the_codes_back(written, fmt, opts):
         if isinstance(m, QuantLinear):
             m.select_kernel(torch.float32, force="torch_reference")
             code = layouts.CODE_TENSOR[m.spec.layout]
-            assert code in dict(m.named_parameters(recurse=False)), "the reference kernel needs the checkpoint tensor"
+            assert code in dict(m.named_buffers(recurse=False)), "the reference kernel needs the checkpoint tensor"
             assert _same(getattr(m, code), disk[f"{m.name}.{code}"])
     with torch.no_grad():
         y2 = model(x).logits
@@ -117,7 +117,7 @@ def test_other_kernel_gets_the_codes_back(written, fmt, opts):
     for m in model.modules():   # and back: dropped again, still exact
         if isinstance(m, QuantLinear):
             m.select_kernel(torch.float32)
-            assert layouts.CODE_TENSOR[m.spec.layout] not in dict(m.named_parameters(recurse=False))
+            assert layouts.CODE_TENSOR[m.spec.layout] not in dict(m.named_buffers(recurse=False))
     sd = model.state_dict()
     qkeys = [f"{m.name}.{t}" for m in model.modules() if isinstance(m, QuantLinear) for t in m.tensor_names]
     assert qkeys and all(_same(sd[k], disk[k]) for k in qkeys)

@@ -118,8 +118,12 @@ class HfW4Quantizer(HfQuantizer):
             # a ModelOpt export that only has hf_quant_config.json: read it before loading (see preprocess)
             kwargs["pre_quantized"] = True
             self._modelopt_from_file = True
+        elif kwargs.get("pre_quantized") is False:  # transformers' own message asks for a flag that would not help
+            raise CheckpointError(f"{type(cfg).__name__} was passed for a checkpoint with no quantization_config in "
+                                  "its config.json: hf_w4 loads pre-quantized checkpoints only (it does not quantize "
+                                  "a dense model; `hf-w4 convert` writes a quantized checkpoint from one)")
         super().__init__(cfg, **kwargs)
-        self.options = cfg.get_loading_attributes()
+        self.options = cfg.loading_attributes()
         self.format: Optional[formats.FormatConfig] = None
 
     # -- environment
@@ -188,8 +192,9 @@ class HfW4Quantizer(HfQuantizer):
 
     @property
     def is_trainable(self):
-        # the packed weights are frozen, but input gradients flow through every kernel (the compiled ops register
-        # grad_x = grad_y @ W), so adapters (e.g. LoRA) on a quantized base train, as with transformers' GPTQ / AWQ
+        # the packed weights are frozen buffers, but input gradients flow through every kernel (the compiled ops
+        # register grad_x = grad_y @ W), so hand-written adapters on a quantized base train (PEFT's get_peft_model
+        # does not take QuantLinear yet: see the README)
         return True
 
     def get_state_dict_and_metadata(self, model):
@@ -198,7 +203,16 @@ class HfW4Quantizer(HfQuantizer):
                 m.check_loaded()  # refuse before any file is written
         return None, {}
 
+    def dequantize(self, model, dtype=None):
+        # transformers falls back to config.dtype, which model.to(dtype) does not update: take the dtype the
+        # model's dense parts have now, so the new Linears match them
+        if dtype is None:
+            dtype = next((p.dtype for m in model.modules() if not isinstance(m, QuantLinear)
+                          for p in m.parameters(recurse=False) if p.is_floating_point()), None)
+        return super().dequantize(model, dtype=dtype)
+
     def _dequantize(self, model, dtype=None):
+        # trainable nn.Linears, as a dense model's (and transformers' own dequantize) are
         for name, m in list(model.named_modules()):
             if isinstance(m, QuantLinear):
                 w = m.dequantize_weight()
@@ -208,7 +222,6 @@ class HfW4Quantizer(HfQuantizer):
                     lin.weight.copy_(w)
                     if m.bias is not None:
                         lin.bias.copy_(m.bias)
-                lin.requires_grad_(False)
                 _set_module(model, name, lin)
         return model
 

@@ -1,7 +1,8 @@
 """hf_w4's quantization config classes.
 
 Each subclasses the transformers class of the same name (so transformers' class-name check and its
-``LOADING_ATTRIBUTES_CONFIG_TYPES`` isinstance check accept it), never imports a producer library, keeps
+``LOADING_ATTRIBUTES_CONFIG_TYPES`` isinstance check accept it; ModelOptConfig, which transformers lacks,
+subclasses ``QuantizationConfigMixin``), never imports a producer library, keeps
 the checkpoint's ``quantization_config`` dict verbatim (``to_dict`` returns it, so ``save_pretrained``
 writes the producer's own config back), and carries hf_w4's loading attributes:
 
@@ -97,8 +98,20 @@ class HfW4ConfigMixin:
     def to_diff_dict(self) -> Dict[str, Any]:
         return self.to_dict()
 
-    def get_loading_attributes(self) -> Dict[str, Any]:
+    def loading_attributes(self) -> Dict[str, Any]:
         return {k: getattr(self, k, d) for k, d in LOADING_ATTRIBUTES.items()}
+
+    def get_loading_attributes(self) -> Dict[str, Any]:
+        # transformers' from_pretrained calls this (merging a passed config into the checkpoint's): without the
+        # takeover its own quantizer, not hf_w4's, would load the checkpoint and fail on a missing producer library
+        from ..integration import installed
+        if self.METHOD not in installed():
+            raise RuntimeError(
+                f"hf_w4.{type(self).__name__} was passed to from_pretrained, but hf_w4's takeover of {self.METHOD!r} "
+                "is not installed (hf_w4.uninstall(), or leaving the `with hf_w4.enabled():` block the config was "
+                "built in, removed it), so transformers would load the checkpoint with its own quantizer: call "
+                "hf_w4.install() first, or load inside the block")
+        return self.loading_attributes()
 
     def __setattr__(self, name, value):
         if name in LOADING_ATTRIBUTES:
@@ -106,7 +119,7 @@ class HfW4ConfigMixin:
         object.__setattr__(self, name, value)
 
     def __repr__(self):
-        return f"{type(self).__module__}.{type(self).__name__}({self.to_dict()}, loading={self.get_loading_attributes()})"
+        return f"{type(self).__module__}.{type(self).__name__}({self.to_dict()}, loading={self.loading_attributes()})"
 
 
 class GPTQConfig(HfW4ConfigMixin, transformers.GPTQConfig):
@@ -125,7 +138,7 @@ class CompressedTensorsConfig(HfW4ConfigMixin, transformers.CompressedTensorsCon
     METHOD = "compressed-tensors"
 
 
-class ModelOptConfig(HfW4ConfigMixin, QuantizationConfigMixin):
+class ModelOptConfig(HfW4ConfigMixin, QuantizationConfigMixin):  # transformers has no ModelOptConfig
     METHOD = "modelopt"
 
 
