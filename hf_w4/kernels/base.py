@@ -35,6 +35,7 @@ class Kernel:
     REQUIRES_OPS: Tuple[str, ...] = ()                 # torch.ops.hf_w4 ops that must have a CPU/device impl
     K_MULTIPLE: int = 1
     N_MULTIPLE: int = 1
+    SUPPORTS_EMPTY_K: bool = False                      # runs a layer with no input features (K = 0)
     DESCRIPTION: str = ""
 
     # ---- declarations -> verdicts
@@ -72,6 +73,8 @@ class Kernel:
             return False, f"K={k} is not a multiple of {cls.K_MULTIPLE}"
         if n % cls.N_MULTIPLE:
             return False, f"N={n} is not a multiple of {cls.N_MULTIPLE}"
+        if k <= 0 and not cls.SUPPORTS_EMPTY_K:
+            return False, f"K={k}: the layer has no input features"
         return cls.is_supported()
 
     # ---- per layer

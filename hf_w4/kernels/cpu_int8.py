@@ -48,8 +48,6 @@ class CpuInt8Kernel(Kernel):
             return ok, why
         if spec.weight_type == "int4" and spec.bits != 4:
             return False, f"{spec.bits}-bit int4 weights?"
-        if k <= 0:
-            return False, f"K={k}: the layer has no input features"
         gs = spec.effective_group(k)
         if gs <= 0 or k % gs:
             return False, f"group size {gs} does not divide K={k}"

@@ -57,8 +57,6 @@ class CpuW4A16Kernel(Kernel):
             return ok, why
         if spec.bits != 4:
             return False, f"{spec.bits}-bit weights not supported (4-bit only)"
-        if k <= 0:
-            return False, f"K={k}: the layer has no input features"
         gs = 16 if spec.weight_type == "nvfp4" else spec.effective_group(k)
         if k % 2:
             return False, f"K={k} is odd (the packed layout pairs K columns)"

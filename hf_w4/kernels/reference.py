@@ -19,6 +19,7 @@ class TorchReferenceKernel(Kernel):
     DEVICES = ("cpu", "cuda", "xpu", "mps", "meta")
     WEIGHT_TYPES = frozenset({"int4", "int8", "nvfp4"})
     ACTIVATIONS = frozenset({"none", "int8_token", "int8_group"})
+    SUPPORTS_EMPTY_K = True
     DESCRIPTION = "pure PyTorch: dequantize to fp32 on every call, then F.linear (exact; the test oracle)"
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -210,13 +210,6 @@ class _ZentorchBase(Kernel):
         why = zentorch_status()
         return (False, why) if why else OK
 
-    @classmethod
-    def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):
-        ok, why = super().can_implement(spec, n, k, device, dtype)
-        if ok and k <= 0:  # before the subclasses' K / group arithmetic
-            return False, f"K={k}: the layer has no input features"
-        return ok, why
-
 
 @register
 class ZentorchW4A16Kernel(_ZentorchBase):
