@@ -8,7 +8,6 @@ speed (the emulation is 10-100x slower), and not the asm loops or AMX (native AV
 Skipped on a CPU with the AVX-512 features (test_cpu_w4a16 / test_cpu_int8 run the real kernels there), without
 AVX2 / FMA / F16C / BMI2, or without SIMDe's headers (.ci/setup fetches them: python .ci/fetch_simde.py build/simde).
 """
-import glob
 import os
 import subprocess
 import sys

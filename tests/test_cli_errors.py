@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,13 +15,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from hf_w4 import bench, cli, models  # noqa: E402
 from hf_w4 import evaluate as E  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_cli import _env, tiny  # noqa: E402,F401  (``tiny``: the shared fixture)
+
 FAST = ["--max-tokens", "128", "--window", "64", "--decode-tokens", "0", "--dtype", "fp32", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return models.build_tiny(tmp_path_factory.mktemp("errs") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +158,7 @@ def test_closed_stdout_exits_quietly():
     code = ("import sys\nfrom hf_w4 import cli\n"
             "def flood(a):\n    for _ in range(100000):\n        print('x' * 100)\n"
             "cli.cmd_info = flood\nsys.exit(cli.main(['info', 'x']))\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
     p.stdout.close()                                              # like `| head` that has stopped reading
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
