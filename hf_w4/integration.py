@@ -11,6 +11,9 @@ explicitly (``install()``), reversibly (``uninstall()``), and only for the metho
 * ``quantizers.auto.AutoRoundConfig`` (transformers parses any checkpoint with it when the user passes an
   AutoRoundConfig) -> hf_w4's AutoRoundConfig.
 
+``install()`` also lets PEFT's LoRA wrap ``QuantLinear`` layers (``hf_w4.lora``); ``uninstall()`` leaves that in
+place, since it only ever matches layers hf_w4 loaded.
+
 Not thread-safe (it edits module-level dicts); call it once per process — every ``accelerate launch`` rank
 runs its own script, so put ``hf_w4.install()`` (or ``import hf_w4.auto``) at the top of it.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Iterable, Optional
+
+from . import lora
 
 logger = logging.getLogger("hf_w4")
 _saved: dict = {}   # method -> (quantizer or None, config or None)
@@ -50,6 +55,7 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
         if m == "auto-round":
             _extra["AutoRoundConfig"] = qauto.AutoRoundConfig
             qauto.AutoRoundConfig = CONFIGS[m]
+    lora.enable()  # PEFT's LoRA takes QuantLinear layers (process-wide; only ever matches hf_w4 layers)
     logger.info("hf_w4: installed for %s", ", ".join(_saved))
 
 

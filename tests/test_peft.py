@@ -1,0 +1,153 @@
+"""PEFT LoRA on a quantized base (hf_w4.lora): get_peft_model / add_adapter wrap QuantLinear layers, the adapter's
+output adds to the compiled kernel's, training touches only the adapter, adapters save and load, and what cannot
+work (merging into packed weights, variants and inits that read the dense weight) is refused with a reason."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_w4
+from hf_w4.nn import QuantLinear
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'peft>=0.21,<0.22')")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+from test_from_pretrained import written  # noqa: E402,F401  (the shared checkpoint fixture)
+from test_memory import _installed  # noqa: E402,F401  (autouse: hf_w4 installed)
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+# weight-only formats (the dense twin then computes the same function); ct-w4a16 layers carry no bias and no
+# float tensor PEFT could take a device from
+FORMATS = [("gptq", dict(sym=False, group_size=64)), ("awq", dict(sym=False)), ("ct-w4a16", dict(sym=True)),
+           ("ct-nvfp4", {}), ("modelopt-w4a16", {}), ("autoround", dict(sym=True))]
+
+
+def _tokens():
+    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _lora(**kw):
+    # init_lora_weights=False: A and B both random, so the adapter changes the output from the start
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **kw)
+
+
+def _quant_lora_layers(model):
+    return [m for m in model.modules() if type(m).__name__ == "QuantLoraLinear"]
+
+
+@pytest.mark.parametrize("fmt,opts", FORMATS, ids=[f for f, _ in FORMATS])
+def test_lora_on_quantized_base_matches_lora_on_dense_twin(written, fmt, opts):
+    """The same adapter on the quantized model and on its dense twin (PEFT's own nn.Linear LoRA, exact dequantized
+    weights) gives the same fp32 logits (budget 1e-5 of the logits' scale, as the base models' own test)."""
+    res = written(fmt, opts)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32), _lora())
+    layers = _quant_lora_layers(model)
+    assert len(layers) == 3 * 2, [type(m).__name__ for m in model.modules()][:40]  # 3 targets x 2 layers
+    assert all(isinstance(m.base_layer, QuantLinear) for m in layers)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:5]
+    twin = get_peft_model(res.dense_model().float().eval(), _lora())
+    twin.load_state_dict({k: v for k, v in model.state_dict().items() if ".lora_" in k}, strict=False)
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert lora.keys() == {n for n, p in twin.named_parameters() if p.requires_grad}
+    assert all(torch.equal(p, twin.get_parameter(n)) for n, p in lora.items())
+    x = _tokens()
+    with torch.no_grad():
+        y, want, base = model(x).logits, twin(x).logits, None
+        with model.disable_adapter():
+            base = model(x).logits
+    scale = want.abs().max().item()
+    assert (y - want).abs().max().item() <= 1e-5 * scale
+    assert (y - base).abs().max().item() > 1e-3 * scale, "the adapter did not change the output"
+
+
+@pytest.mark.parametrize("fmt,opts", [("gptq", dict(sym=True)), ("ct-w8a8", {}), ("ct-nvfp4", {})])
+def test_training_step_save_and_reload(written, tmp_path, fmt, opts):
+    """A training step moves only the adapter (the quantized base's tensors stay byte-identical); the saved adapter
+    loads onto a fresh quantized base, through PeftModel and through transformers' load_adapter, and gives the
+    same logits; unload() gives back the plain QuantLinear model."""
+    path = written(fmt, opts).path
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))  # default init: B = 0
+    base_before = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    x = _tokens()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for _ in range(3):
+        loss = model(x, labels=x).loss
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0], losses
+    b = next(m for m in _quant_lora_layers(model))
+    assert b.lora_B["default"].weight.abs().sum() > 0, "lora_B never moved"
+    after = {k: v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    assert base_before.keys() == after.keys()
+    assert all(torch.equal(base_before[k], after[k]) for k in after), "the quantized base changed"
+
+    model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        y = model(x).logits
+        again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                          tmp_path / "adapter")
+        assert torch.equal(again(x).logits, y)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf.load_adapter(tmp_path / "adapter")
+        assert _quant_lora_layers(hf)
+        assert torch.equal(hf(x).logits, y)
+        plain = model.unload()
+        assert not _quant_lora_layers(plain) and any(isinstance(m, QuantLinear) for m in plain.modules())
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert torch.equal(plain(x).logits, fresh(x).logits)
+
+
+def test_add_adapter_and_bf16_base(written):
+    """transformers' own entry point (model.add_adapter) on a bf16 model: the adapter stays fp32, the output bf16."""
+    model = AutoModelForCausalLM.from_pretrained(written("awq", dict(sym=True)).path, dtype=torch.bfloat16)
+    model.add_adapter(LoraConfig(r=2, target_modules=["o_proj"], init_lora_weights="gaussian"))
+    layers = _quant_lora_layers(model)
+    assert len(layers) == 2 and all(m.lora_A["default"].weight.dtype == torch.float32 for m in layers)
+    out = model(_tokens(), labels=_tokens())
+    assert out.logits.dtype == torch.bfloat16
+    out.loss.backward()
+    assert all(m.lora_A["default"].weight.grad is not None for m in layers)
+
+
+def test_refusals_name_the_layer_and_the_way_out(written):
+    path = written("ct-nvfp4", {}).path
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), _lora())
+    with pytest.raises(NotImplementedError, match=r"q_proj .*re-quantization.*CompressedTensorsConfig\(dequantize=True\)"):
+        model.merge_and_unload()
+    for cfg, what in ((_lora(use_dora=True), "only plain LoRA"),
+                      (LoraConfig(r=2, target_modules=TARGETS, init_lora_weights="pissa"), "init_lora_weights='pissa'")):
+        with pytest.raises(NotImplementedError, match=what):
+            get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), cfg)
+
+
+def test_peft_imported_before_or_after_install():
+    """PEFT imported before hf_w4.install() is patched at once, imported after it by the import hook; a plain
+    nn.Linear still gets PEFT's own LoRA layer."""
+    code = r"""
+import sys, torch, hf_w4
+first = sys.argv[1]
+if first == "peft":
+    import peft
+hf_w4.install()
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora.layer import Linear
+from peft.tuners.lora.model import LoraModel
+assert LoraModel._hf_w4_patched
+m = get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"]))
+assert type(m.base_model.model[0]) is Linear, type(m.base_model.model[0])
+print("ok", first)
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    for first in ("peft", "hf_w4"):
+        r = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0 and f"ok {first}" in r.stdout, r.stderr[-2000:]
