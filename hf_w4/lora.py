@@ -9,7 +9,7 @@ for this: if it is not imported yet, an import hook applies the change when PEFT
 (importing PEFT costs seconds). The change stays for the process; it acts on ``QuantLinear`` layers only.
 
 What works: plain LoRA (any ``r`` / ``lora_alpha`` / dropout / ``lora_bias`` / rsLoRA, several adapters, Gaussian or
-default init), training (input gradients flow through the compiled ops), ``disable_adapter``, saving and loading
+default init, ``target_modules="all-linear"``), training (input gradients flow through the compiled ops), ``disable_adapter``, saving and loading
 adapters, ``unload()``. Refused with an error saying why: merging into the packed weight (it would have to be
 re-quantized: load the base with ``dequantize=True`` to merge), LoRA variants (DoRA, aLoRA, ...) and
 initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA).
@@ -69,10 +69,13 @@ def _patch(module) -> None:
     model_cls = module.LoraModel
     if getattr(model_cls, "_hf_w4_patched", False):
         return
-    missing = [a for a in ("_create_new_module", "_replace_module", "prefix") if not hasattr(model_cls, a)]
+    utils = sys.modules.get("peft.tuners.tuners_utils")
+    missing = [f"LoraModel.{a}" for a in ("_create_new_module", "_replace_module", "prefix") if not hasattr(model_cls, a)]
+    missing += [f"tuners_utils.{a}" for a in ("_maybe_include_all_linear_layers", "BaseTunerLayer")
+                if not hasattr(utils, a)]
     if missing:  # never break PEFT itself: QuantLinear layers then meet PEFT's own "not supported" error
         import peft
-        logger.warning("hf_w4: LoRA on QuantLinear layers is unavailable with peft %s (LoraModel lacks %s; hf_w4.lora "
+        logger.warning("hf_w4: LoRA on QuantLinear layers is unavailable with peft %s (it lacks %s; hf_w4.lora "
                        "was written against peft 0.21)", getattr(peft, "__version__", "?"), ", ".join(missing))
         return
     create, replace = model_cls._create_new_module, model_cls._replace_module
@@ -94,6 +97,21 @@ def _patch(module) -> None:
             if self.prefix in name and not any(p.is_meta for p in sub.parameters()):
                 sub.to(device)
 
+    def _all_linear(peft_config, model):
+        # target_modules="all-linear" collects nn.Linear (and Conv1D) layers: QuantLinear ones join them, except the
+        # output embeddings (as PEFT leaves a dense lm_head out) and layers already inside an adapter wrapper
+        asked = getattr(peft_config, "target_modules", None)
+        asked = isinstance(asked, str) and asked.lower() == "all-linear"
+        peft_config = all_linear(peft_config, model)
+        if asked and isinstance(peft_config.target_modules, set):
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            wrapped = [n + "." for n, m in model.named_modules() if isinstance(m, utils.BaseTunerLayer)]
+            peft_config.target_modules |= {n for n, m in model.named_modules() if isinstance(m, QuantLinear)
+                                           and m is not head and not any(n.startswith(w) for w in wrapped)}
+        return peft_config
+
+    all_linear = utils._maybe_include_all_linear_layers
+    utils._maybe_include_all_linear_layers = _all_linear
     model_cls._create_new_module = staticmethod(_create_new_module)
     model_cls._replace_module = _replace_module
     model_cls._hf_w4_patched = True

@@ -151,3 +151,38 @@ print("ok", first)
     for first in ("peft", "hf_w4"):
         r = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0 and f"ok {first}" in r.stdout, r.stderr[-2000:]
+
+
+def test_all_linear_with_quantized_lm_head_and_trainer(written, tmp_path):
+    """target_modules="all-linear" takes every QuantLinear but the (quantized) lm_head, and a second adapter does
+    not nest into the first's wrapper; transformers' Trainer then trains with gradient checkpointing after
+    prepare_model_for_kbit_training."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import Trainer, TrainingArguments
+    path = written("autoround", dict(sym=True, quantize_lm_head=True)).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert "lm_head" in quant
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
+    wrapped = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
+               if type(m).__name__ == "QuantLoraLinear"}
+    assert wrapped == quant - {"lm_head"}
+    model.add_adapter("second", LoraConfig(r=2, target_modules="all-linear"))
+    assert len(_quant_lora_layers(model)) == len(wrapped)
+    assert all(set(m.lora_A) == {"default", "second"} for m in _quant_lora_layers(model))
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            t = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": t, "labels": t}
+    args = TrainingArguments(str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", use_cpu=True, gradient_checkpointing=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    out = Trainer(model=model, args=args, train_dataset=Data()).train()
+    assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved and all(".default." in n for n in moved)
