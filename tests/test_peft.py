@@ -119,11 +119,23 @@ def test_add_adapter_and_bf16_base(written):
     assert all(m.lora_A["default"].weight.grad is not None for m in layers)
 
 
-def test_refusals_name_the_layer_and_the_way_out(written):
+def test_refusals_name_the_layer_and_the_way_out(written, tmp_path):
     path = written("ct-nvfp4", {}).path
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), _lora())
     with pytest.raises(NotImplementedError, match=r"q_proj .*re-quantization.*CompressedTensorsConfig\(dequantize=True\)"):
         model.merge_and_unload()
+    # the way out the message gives: the adapter merged into the dequantized base, saved as a dense model
+    model.save_pretrained(tmp_path / "adapter")
+    dense = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=hf_w4.CompressedTensorsConfig(dequantize=True))
+    merged = PeftModel.from_pretrained(dense, tmp_path / "adapter").merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not any(isinstance(m, QuantLinear) for m in again.modules())
+    x = _tokens()
+    with torch.no_grad():
+        y = model(x).logits
+        assert (again(x).logits - y).abs().max().item() <= 1e-5 * y.abs().max().item()
     for cfg, what in ((_lora(use_dora=True), "only plain LoRA"),
                       (LoraConfig(r=2, target_modules=TARGETS, init_lora_weights="pissa"), "init_lora_weights='pissa'")):
         with pytest.raises(NotImplementedError, match=what):
