@@ -351,24 +351,9 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, **kwargs):
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with hf_w4 enabled (quantized
     checkpoints go through hf_w4, dense ones load as usual), in eval mode."""
     from transformers import AutoModelForCausalLM
-    if "quantization_config" not in kwargs and _modelopt_sidecar_only(path):
-        from . import ModelOptConfig          # ModelOpt export with only hf_quant_config.json
-        kwargs["quantization_config"] = ModelOptConfig()
     with _hf_w4_enabled():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
     return model.eval()
-
-
-def _modelopt_sidecar_only(path) -> bool:
-    import json
-    p = os.path.join(str(path), "hf_quant_config.json")
-    if not os.path.isfile(p):
-        return False
-    try:
-        with open(os.path.join(str(path), "config.json")) as f:
-            return "quantization_config" not in json.load(f)
-    except (OSError, ValueError):
-        return False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

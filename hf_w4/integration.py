@@ -9,7 +9,11 @@ explicitly (``install()``), reversibly (``uninstall()``), and only for the metho
 * ``modelopt`` (not known to transformers) is added to both, and its config class to
   ``LOADING_ATTRIBUTES_CONFIG_TYPES`` so loading attributes reach it;
 * ``quantizers.auto.AutoRoundConfig`` (transformers parses any checkpoint with it when the user passes an
-  AutoRoundConfig) -> hf_w4's AutoRoundConfig.
+  AutoRoundConfig) -> hf_w4's AutoRoundConfig;
+* ``modeling_utils.get_hf_quantizer`` is wrapped (with ``modelopt``): a local checkpoint whose config.json has no
+  quantization_config but which carries ModelOpt's ``hf_quant_config.json`` with a ``quant_algo`` (older ModelOpt
+  exports; vLLM reads them the same way) loads as if ``quantization_config=ModelOptConfig()`` had been passed —
+  without it transformers builds a dense model and fails on the packed tensors' shapes.
 
 ``install()`` also lets PEFT's LoRA wrap ``QuantLinear`` layers (``hf_w4.lora``); ``uninstall()`` leaves that in
 place, since it only ever matches layers hf_w4 loaded.
@@ -20,7 +24,9 @@ runs its own script, so put ``hf_w4.install()`` (or ``import hf_w4.auto``) at th
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 from typing import Iterable, Optional
 
 from . import lora
@@ -55,6 +61,10 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
         if m == "auto-round":
             _extra["AutoRoundConfig"] = qauto.AutoRoundConfig
             qauto.AutoRoundConfig = CONFIGS[m]
+        if m == "modelopt":
+            from transformers import modeling_utils
+            _extra["get_hf_quantizer"] = modeling_utils.get_hf_quantizer
+            modeling_utils.get_hf_quantizer = _get_hf_quantizer
     lora.enable()  # PEFT's LoRA takes QuantLinear layers (process-wide; only ever matches hf_w4 layers)
     logger.info("hf_w4: installed for %s", ", ".join(_saved))
 
@@ -73,6 +83,34 @@ def uninstall() -> None:
         qauto.LOADING_ATTRIBUTES_CONFIG_TYPES = _extra.pop("loading_types")
     if "AutoRoundConfig" in _extra:
         qauto.AutoRoundConfig = _extra.pop("AutoRoundConfig")
+    if "get_hf_quantizer" in _extra:
+        from transformers import modeling_utils
+        modeling_utils.get_hf_quantizer = _extra.pop("get_hf_quantizer")
+
+
+def modelopt_sidecar_algo(config) -> Optional[str]:
+    """The ``quant_algo`` of a local ModelOpt export whose config.json has no quantization_config but which carries
+    ``hf_quant_config.json`` (``config``: the loaded config), else None."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    quantized = getattr(config, "quantization_config", None) is not None or \
+        getattr(text, "quantization_config", None) is not None
+    path = str(getattr(config, "_name_or_path", "") or "")
+    side = os.path.join(path, "hf_quant_config.json")
+    if quantized or not path or not os.path.isfile(side):
+        return None
+    try:
+        with open(side) as f:
+            algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return algo or None  # a KV-cache-only export (quant_algo null) stays a dense model
+
+
+def _get_hf_quantizer(config, quantization_config, *args, **kwargs):
+    if quantization_config is None and kwargs.get("gguf_file") is None and modelopt_sidecar_algo(config):
+        from .quantizers.config import ModelOptConfig
+        quantization_config = ModelOptConfig()
+    return _extra["get_hf_quantizer"](config, quantization_config, *args, **kwargs)
 
 
 @contextlib.contextmanager

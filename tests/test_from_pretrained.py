@@ -154,16 +154,36 @@ def test_bias_is_loaded(tmp_path, tiny_llama_bias):
         assert _rel(model(x).logits, twin(x).logits) <= 1e-5
 
 
-def test_modelopt_hf_quant_config_only(tmp_path, tiny_llama):
+@pytest.mark.parametrize("explicit", [True, False], ids=["ModelOptConfig", "plain"])
+def test_modelopt_hf_quant_config_only(tmp_path, tiny_llama, explicit):
+    """An older ModelOpt export (hf_quant_config.json, no quantization_config in config.json) loads with
+    ModelOptConfig() and, once hf_w4 is installed, with a plain from_pretrained as vLLM reads it."""
     res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), "modelopt-w4a16", hf_quant_config_only=True)
     assert "quantization_config" not in json.load(open(os.path.join(res.path, "config.json")))
-    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32,
-                                                 quantization_config=hf_w4.ModelOptConfig())
+    kw = dict(quantization_config=hf_w4.ModelOptConfig()) if explicit else {}
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32, **kw)
     assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
     twin = res.dense_model().float().eval()
     x = _tokens()
     with torch.no_grad():
         assert _rel(model(x).logits, twin(x).logits) <= 1e-5
+
+
+def test_modelopt_sidecar_detection_is_scoped(tmp_path, tiny_llama):
+    """The sidecar takes effect only while hf_w4 is installed, and a KV-cache-only hf_quant_config.json (quant_algo
+    null) beside dense weights leaves the model dense."""
+    res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), "modelopt-w4a16", hf_quant_config_only=True)
+    hf_w4.uninstall()
+    with pytest.raises(Exception, match="size mismatch|mismatched|MISMATCH"):
+        AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    hf_w4.install()
+    dense = tmp_path / "dense"
+    tiny_llama.save_pretrained(dense)
+    with open(dense / "hf_quant_config.json", "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None,
+                                                                     "kv_cache_quant_algo": "FP8"}}, f)
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("fmt,cfg", [("gptq", hf_w4.GPTQConfig), ("awq", hf_w4.AwqConfig),
