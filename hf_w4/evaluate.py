@@ -28,6 +28,7 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -130,8 +131,8 @@ class Dist:
             td.all_reduce(t, op=td.ReduceOp.SUM)
         return t
 
-    def all_max(self, value: float) -> List[float]:
-        """Every rank's ``value`` (as a list indexed by rank)."""
+    def per_rank(self, value: float) -> List[float]:
+        """Every rank's ``value`` (as a list indexed by rank), on every rank."""
         t = torch.zeros(self.world, dtype=torch.float64)
         t[self.rank] = float(value)
         return self.all_reduce_sum(t).tolist()
@@ -190,7 +191,7 @@ def _device_of(model) -> torch.device:
 
 @torch.inference_mode()
 def perplexity(model, windows: torch.Tensor, reference=None, dist: Optional[Dist] = None,
-               progress: bool = True) -> PerplexityResult:
+               progress: bool = True, desc: str = "perplexity") -> PerplexityResult:
     """Perplexity of ``model`` on ``windows`` (from :func:`make_windows`); with ``reference``, also the
     top-1 next-token agreement with it. ``reference`` is a model (its perplexity is reported too) or the
     ``argmax`` tensor of an earlier result on the same windows. ``dist`` (default: :meth:`Dist.detect`)
@@ -207,7 +208,7 @@ def perplexity(model, windows: torch.Tensor, reference=None, dist: Optional[Dist
     ref_model = reference if isinstance(reference, torch.nn.Module) else None
     dev = _device_of(model)
     rdev = _device_of(ref_model) if ref_model is not None else None
-    desc = "perplexity" + (f" [rank {dist.rank}/{dist.world}]" if dist.world > 1 else "")
+    desc = desc + (f" [rank {dist.rank}/{dist.world}]" if dist.world > 1 else "")
     for i in _progress(mine, len(mine), desc, progress and (dist.main or dist.world == 1)):
         ids = windows[i: i + 1]
         target = ids[0, 1:]
@@ -347,13 +348,55 @@ def _hf_w4_enabled():
         yield
 
 
-def load_model(path, dtype: torch.dtype = torch.bfloat16, **kwargs):
+def load_model(path, dtype: torch.dtype = torch.bfloat16, activation: str = "auto", **kwargs):
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with hf_w4 enabled (quantized
-    checkpoints go through hf_w4, dense ones load as usual), in eval mode."""
+    checkpoints go through hf_w4, dense ones load as usual), in eval mode. ``activation`` other than ``"auto"``
+    (the checkpoint's own scheme) loads a quantized checkpoint with its family's hf_w4 config class and that
+    activation mode (:func:`activation_config`), e.g. ``"int8"``: a 4-bit checkpoint runs as W4A8."""
     from transformers import AutoModelForCausalLM
-    with _hf_w4_enabled():
+    with _hf_w4_enabled(), warnings.catch_warnings():
+        if activation != "auto":
+            kwargs["quantization_config"] = activation_config(path, activation)
+            # transformers' notice that the passed config's loading attributes (here: activation) replace the
+            # checkpoint's: that is the point
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
     return model.eval()
+
+
+def checkpoint_quant_method(path) -> Optional[str]:
+    """The ``quant_method`` of a checkpoint directory (its config.json's quantization_config; ``"modelopt"`` for
+    an older ModelOpt export that has only ``hf_quant_config.json``), None for a dense checkpoint. Reads the
+    config only, not the weights."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(str(path))
+    for c in (cfg, cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg):
+        q = getattr(c, "quantization_config", None)
+        if q is not None:
+            m = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+            return str(getattr(m, "value", m))
+    try:
+        from .integration import modelopt_sidecar_algo
+    except ImportError:
+        return None
+    return "modelopt" if modelopt_sidecar_algo(cfg) else None
+
+
+def activation_config(path, activation: str):
+    """The hf_w4 config object (``hf_w4.quantizers.config.CONFIGS[quant_method]``) that loads the quantized
+    checkpoint ``path`` with ``activation`` (``"none"``, ``"int8"``, ``"int8_group"``). A dense checkpoint, or one
+    hf_w4 does not load, is a ValueError."""
+    from .quantizers.config import ACTIVATION_MODES, CONFIGS
+    if activation not in ACTIVATION_MODES:
+        raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATION_MODES)}")
+    method = checkpoint_quant_method(path)
+    if method is None:
+        raise ValueError(f"activation {activation!r}: {path} is a dense checkpoint (no quantization_config); an "
+                         "activation mode applies to quantized checkpoints only (use 'auto' for a dense one)")
+    if method not in CONFIGS:
+        raise ValueError(f"activation {activation!r}: {path} is a {method!r} checkpoint, which hf_w4 does not load; "
+                         f"supported quant_methods: {list(CONFIGS)}")
+    return CONFIGS[method](activation=activation)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -381,7 +424,34 @@ def quant_format(model) -> str:
     m = d.get("quant_method", "?")
     m = getattr(m, "value", m)
     fmt = d.get("format") or d.get("packing_format") or d.get("version") or d.get("quant_algo")
-    return f"{m}:{fmt}" if fmt and isinstance(fmt, str) else str(m)
+    label = f"{m}:{fmt}" if fmt and isinstance(fmt, str) else str(m)
+    if m == "compressed-tensors":     # the same format name holds W8A8 and W4A8: add the bits of each scheme
+        schemes = sorted({_ct_scheme(g) for g in (d.get("config_groups") or {}).values() if isinstance(g, dict)})
+        if schemes:
+            label += " " + "+".join(schemes)
+    return label
+
+
+def _ct_scheme(group: Dict) -> str:
+    """``W4A16``, ``W8A8``, ``W4A8``, ... of one compressed-tensors config group (no input_activations: A16)."""
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    return f"W{w.get('num_bits', '?')}A{a.get('num_bits', 16)}"
+
+
+# what ran: the QuantLinear spec's activation scheme (``W4Spec.act``)
+ACTIVATION_TEXT = {"none": "weight-only, float activations", "int8_token": "dynamic int8, per token",
+                   "int8_group": "dynamic int8, per token and weight group"}
+
+
+def activation_used(model) -> Optional[str]:
+    """The activation scheme the quantized layers run (``"none"``, ``"int8_token"``, ``"int8_group"``; several
+    joined by ``+``), None for a model without hf_w4 layers."""
+    try:
+        from .nn import QuantLinear
+    except ImportError:
+        return None
+    acts = sorted({m.spec.act for m in model.modules() if isinstance(m, QuantLinear)})
+    return "+".join(acts) or None
 
 
 def kernels_used(model) -> Dict[str, int]:
@@ -400,39 +470,46 @@ def kernels_used(model) -> Dict[str, int]:
 def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAULT_MAX_TOKENS,
              window: int = DEFAULT_WINDOW, reference=None, dtype: torch.dtype = torch.bfloat16,
              decode_tokens: int = 32, prompt: str = DEFAULT_PROMPT, bos: Union[str, bool] = "auto",
-             dist: Optional[Dist] = None, progress: bool = True, model=None, tokenizer=None) -> Dict:
+             dist: Optional[Dist] = None, progress: bool = True, model=None, tokenizer=None,
+             activation: str = "auto") -> Dict:
     """Evaluate one checkpoint; returns a JSON-able dict (the ``hf-w4 eval`` output).
 
     ``text``: a string (None = default corpus). ``reference``: a dense checkpoint path (or a loaded model)
     for top-1 agreement. ``tokenizer``: a loaded tokenizer instead of the checkpoint's own (which a checkpoint
-    saved from a model object does not have). Decoding speed is measured on rank 0 only, after the perplexity
-    pass, while the other ranks wait, so it is not disturbed by them.
+    saved from a model object does not have). ``activation``: ``"auto"`` (the checkpoint's own scheme) or an
+    activation mode to load the quantized checkpoint with (:func:`load_model`); the result's ``activation`` is
+    the scheme its layers ran. Decoding speed is measured on rank 0 only, after the perplexity pass, while the
+    other ranks wait, so it is not disturbed by them. ``peak_rss_bytes`` (the maximum over the ranks) is sampled
+    after the checkpoint's own perplexity and decoding, before the reference is loaded: the reference then runs
+    alone on the same windows against the checkpoint's argmax.
     """
     if decode_tokens and decode_tokens < 2:
         raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
     dist = dist or Dist.detect()
     t0 = time.perf_counter()
-    model = model if model is not None else load_model(path, dtype)
+    model = model if model is not None else load_model(path, dtype, activation)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
     load_s = time.perf_counter() - t0
     text = text if text is not None else default_text()
     use_bos = needs_bos(tokenizer, model.config) if bos == "auto" else bool(bos)
     windows = make_windows(tokenizer, text, window, max_tokens, use_bos, model.config)
     _check_ids(windows, model, path)
-    ref_model = None
-    if reference is not None:
-        ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
-        _check_reference(path, model, tokenizer, reference, ref_model, windows[:, 1:] if use_bos else windows,
-                         text)
-    ppl = perplexity(model, windows, ref_model, dist, progress)
+    if reference is not None:           # before the long part: config and tokenizer only
+        if isinstance(reference, torch.nn.Module):
+            ref_config = reference.config
+        else:
+            from transformers import AutoConfig
+            ref_config = AutoConfig.from_pretrained(str(reference))
+        _check_reference(path, model, reference, ref_config, windows[:, 1:] if use_bos else windows, text)
+    ppl = perplexity(model, windows, None, dist, progress)
     out = {"path": str(path), "format": quant_format(model), "kernels": kernels_used(model),
+           "activation": activation_used(model), "activation_requested": activation,
            "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "world": dist.world,
            "bos": use_bos,
            "perplexity": ppl.ppl, "nll": ppl.nll, "tokens": ppl.tokens, "windows": ppl.windows,
-           "window": ppl.window, "top1_agreement": ppl.top1, "reference_perplexity": ppl.ref_ppl,
+           "window": ppl.window, "top1_agreement": None, "reference_perplexity": None,
            "reference": None if reference is None else str(getattr(reference, "name_or_path", reference)),
            "memory": model_bytes(model)}
-    del ref_model
     dec = None
     if decode_tokens:
         if dist.main:
@@ -442,10 +519,17 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
         out.update(answer=dec.text, decode_tok_per_s=dec.tok_per_s, decode_mean_tok_per_s=dec.mean_tok_per_s,
                    prefill_s=dec.prefill_s,
                    decode_tokens=dec.new_tokens)
-    rss = dist.all_max(peak_rss_bytes())
-    out["peak_rss_bytes"] = int(rss[0])
+    rss = dist.per_rank(peak_rss_bytes())      # the checkpoint's own run, without the reference
+    out["peak_rss_bytes"] = int(max(rss))
     out["peak_rss_bytes_per_rank"] = [int(r) for r in rss]
     out["threads"] = torch.get_num_threads()
+    if reference is not None:
+        model = None                           # ours, if loaded here: freed before the reference comes in
+        gc.collect()
+        ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
+        ref = perplexity(ref_model, windows, ppl.argmax, dist, progress, desc="reference perplexity")
+        del ref_model
+        out.update(top1_agreement=ref.top1, reference_perplexity=ref.ppl)
     return out
 
 
@@ -456,11 +540,11 @@ def _check_ids(windows: torch.Tensor, model, path) -> None:
                          "tokens: the tokenizer does not belong to this model")
 
 
-def _check_reference(path, model, tokenizer, reference, ref_model, text_ids: torch.Tensor, text: str) -> None:
+def _check_reference(path, model, reference, ref_config, text_ids: torch.Tensor, text: str) -> None:
     """Top-1 agreement compares token ids: the reference must have the same vocabulary, and (when its directory
     has a tokenizer) that tokenizer must give the same ids for the evaluation text."""
     name = getattr(reference, "name_or_path", reference)
-    v, rv = getattr(model.config, "vocab_size", None), getattr(ref_model.config, "vocab_size", None)
+    v, rv = getattr(model.config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
     if isinstance(v, int) and isinstance(rv, int) and v != rv:
         raise ValueError(f"{path} has a vocabulary of {v} tokens, the reference {name} one of {rv}: top-1 "
                          "agreement needs two models with the same tokenizer")
@@ -480,6 +564,11 @@ def format_eval(r: Dict) -> str:
              f"format       {r['format']}    kernels: {ks}",
              f"perplexity   {r['perplexity']:.4f}   ({r['tokens']} tokens in {r['windows']} windows of "
              f"{r['window']}{', BOS' if r['bos'] else ''}; {r['world']} process(es))"]
+    if r.get("activation"):
+        req = r.get("activation_requested") or "auto"
+        why = "the checkpoint's own scheme" if req == "auto" else f"requested: {req}"
+        text = ACTIVATION_TEXT.get(r["activation"], r["activation"])
+        lines.insert(2, f"activation   {r['activation']} ({text}; {why})")
     if r.get("top1_agreement") is not None:
         lines.append(f"top-1        {100 * r['top1_agreement']:.2f} % agreement with {r['reference']} "
                      f"(reference perplexity {r['reference_perplexity']:.4f})")
@@ -494,12 +583,16 @@ def format_eval(r: Dict) -> str:
                 f"{m['dense'] * mb:.1f} MiB dense bf16")
     lines.append(f"memory       {mem}")
     per = r.get("peak_rss_bytes_per_rank") or [r["peak_rss_bytes"]]
-    lines.append("peak RSS     " + ", ".join(f"{x * mb:.0f} MiB" for x in per) + (" (per rank)" if len(per) > 1 else ""))
+    lines.append("peak RSS     " + ", ".join(f"{x * mb:.0f} MiB" for x in per) + (" (per rank)" if len(per) > 1 else "")
+                 + (" (before the reference was loaded)" if r.get("reference") else ""))
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- demo
 DEMO_GROUP_SIZE = 64       # SmolLM2's K = 576 is not a multiple of 128; 64 and 32 fit every projection
+# 4-bit integer weight formats, which the cpu_int8 kernel also runs with dynamic int8 activations (W4A8); the NVFP4
+# formats have no int8 kernel (they would fall back to the slow reference kernel)
+W4A8_FORMATS = ("gptq", "autoround", "autoround-awq", "awq", "ct-w4a16")
 
 
 def _writers():
@@ -518,21 +611,55 @@ def _kernel_summary(kernels: Dict[str, int]) -> str:
     return ", ".join(k if len(kernels) == 1 else f"{k} x{v}" for k, v in kernels.items())
 
 
+def _check_group_size(group_size) -> None:
+    if not (isinstance(group_size, int) and (group_size == -1 or group_size > 0)):
+        raise ValueError(f"group_size={group_size!r} is invalid; supported: a positive group size (e.g. "
+                         f"{DEMO_GROUP_SIZE}) or -1 (one group per output channel)")
+
+
+def demo_w4a8_rows(formats: Sequence[str], w4a8: Optional[Sequence[str]] = None) -> List[str]:
+    """The formats that get a ``"<fmt> +int8 act"`` row: ``w4a8`` checked against :data:`W4A8_FORMATS` and
+    ``formats``; None = ``["gptq"]`` when gptq is among ``formats`` (else none)."""
+    if w4a8 is None:
+        return ["gptq"] if "gptq" in formats else []
+    w4a8 = list(w4a8)
+    bad = [f for f in w4a8 if f not in W4A8_FORMATS]
+    if bad:
+        raise ValueError(f"W4A8 row(s) (--w4a8) for {bad}: not a 4-bit integer weight-only format; supported: "
+                         f"{list(W4A8_FORMATS)}")
+    missing = [f for f in w4a8 if f not in formats]
+    if missing:
+        raise ValueError(f"W4A8 row(s) (--w4a8) for {missing}: not among the formats (--formats) {list(formats)}; "
+                         "a W4A8 row reloads that format's checkpoint: add the format, or leave it out of --w4a8")
+    return w4a8
+
+
 def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_size: int = DEMO_GROUP_SIZE,
-             ppl_tokens: int = 2048, window: int = DEFAULT_WINDOW, decode_tokens: int = 32,
+             ppl_tokens: Optional[int] = 2048, window: int = DEFAULT_WINDOW, decode_tokens: int = 32,
              prompt: str = DEFAULT_PROMPT, text: Optional[str] = None, out_dir=None,
-             dtype: torch.dtype = torch.bfloat16, progress: bool = True, log=print) -> List[Dict]:
+             dtype: torch.dtype = torch.bfloat16, progress: bool = True, log=print,
+             w4a8: Optional[Sequence[str]] = None) -> List[Dict]:
     """Write ``model_path`` (default: the embedded SmolLM2-135M-Instruct) in every format, load each
     through ``from_pretrained`` with hf_w4, and measure it against the dense ``dtype`` model.
 
     Returns one row per format, the dense baseline first. Row keys: ``format``, ``status``
-    (``ok``/``skipped``/``failed``), ``reason``, ``kernel``, ``kernels``, ``packed_bytes``, ``dense_bytes``
+    (``ok``/``skipped``/``failed``), ``reason``, ``kernel``, ``kernels``, ``activation`` (what the format was
+    loaded with: ``auto`` = its own scheme, ``int8``), ``packed_bytes``, ``dense_bytes``
     (the quantized layers, packed vs as bf16), ``weights_bytes`` (whole model), ``perplexity``,
     ``ppl_ratio`` (vs dense), ``top1`` (next-token agreement with dense), ``tok_per_s``, ``speedup``
     (decode vs dense), ``answer`` (greedy reply to ``prompt``), ``write_s``, ``load_s``.
     A format the writers cannot apply to this model is *skipped* with the writer's reason; one that fails
-    to load or run is *failed* with the error. Checkpoints go to ``out_dir`` (default: a temporary
-    directory, removed afterwards).
+    to load or run is *failed* with the error. Checkpoints (with the source's tokenizer, so ``hf-w4 eval`` takes
+    them) go to ``out_dir`` (default: a temporary directory, removed afterwards). ``ppl_tokens`` None = the
+    whole text.
+
+    ``w4a8``: formats (4-bit integer ones, :data:`W4A8_FORMATS`, each among ``formats``) whose checkpoint is
+    loaded a second time with ``activation="int8"`` (W4A8: dynamic int8 activations, the cpu_int8 kernel) and
+    measured the same way, as a row ``"<fmt> +int8 act"`` right after the format's own row: the accuracy cost
+    and the speed gain of the opt-in side by side. None = gptq when gptq is among ``formats``; ``()`` = none.
+
+    Usage errors (an unknown format, a bad group size or count, a quantized source model) raise ValueError before
+    anything is measured.
     """
     import shutil
     import tempfile
@@ -540,12 +667,22 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
 
     from . import models
 
-    src = models.resolve(model_path)
     writers = _writers()
     formats = list(formats) if formats else list(writers.FORMATS)
     unknown = [f for f in formats if f not in writers.FORMATS]
     if unknown:
         raise ValueError(f"unknown format(s) {unknown}; known: {list(writers.FORMATS)}")
+    w4a8 = demo_w4a8_rows(formats, w4a8)
+    _check_group_size(group_size)
+    if decode_tokens < 2:
+        raise ValueError(f"decode_tokens must be >= 2 (the demo times decoding), got {decode_tokens}")
+    if ppl_tokens is not None and ppl_tokens < 2:
+        raise ValueError(f"ppl_tokens must be >= 2 or None (the whole text), got {ppl_tokens}")
+    src = models.resolve(model_path)
+    method = checkpoint_quant_method(src)
+    if method is not None:
+        raise ValueError(f"{src} is a quantized checkpoint (quant_method {method!r}); the demo writes every format "
+                         "from a dense model: pass the dense checkpoint it was made from")
     tmp = None
     if out_dir is None:
         tmp = out_dir = tempfile.mkdtemp(prefix="hf_w4_demo_")
@@ -565,36 +702,25 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
         nbytes = model_bytes(dense)
         lin = _linear_bytes(dense)
         base = {"format": f"dense {str(dtype).replace('torch.', '')}", "status": "ok", "reason": "",
-                "kernel": "torch (dense)", "kernels": {}, "packed_bytes": lin, "dense_bytes": lin,
-                "weights_bytes": nbytes["total"], "perplexity": ref.ppl, "ppl_ratio": 1.0, "top1": 1.0,
-                "tok_per_s": dec.tok_per_s, "speedup": 1.0, "answer": dec.text, "write_s": 0.0, "load_s": 0.0,
-                "ppl_s": None, "decode_s": None}
+                "kernel": "torch (dense)", "kernels": {}, "activation": None, "packed_bytes": lin,
+                "dense_bytes": lin, "weights_bytes": nbytes["total"], "perplexity": ref.ppl, "ppl_ratio": 1.0,
+                "top1": 1.0, "tok_per_s": dec.tok_per_s, "speedup": 1.0, "answer": dec.text, "write_s": 0.0,
+                "load_s": 0.0, "ppl_s": None, "decode_s": None}
         rows.append(base)
         del dense
-        it = _progress(formats, len(formats), "demo formats", progress)
-        for fmt in it:
-            row = {"format": fmt, "status": "ok", "reason": "", "kernel": "", "kernels": {}, "packed_bytes": None,
-                   "dense_bytes": None, "weights_bytes": None, "perplexity": None, "ppl_ratio": None,
-                   "top1": None, "tok_per_s": None, "speedup": None, "answer": "", "write_s": None,
-                   "load_s": None, "ppl_s": None, "decode_s": None}
+
+        def new_row(name, activation):
+            row = {"format": name, "status": "ok", "reason": "", "kernel": "", "kernels": {},
+                   "activation": activation, "packed_bytes": None, "dense_bytes": None, "weights_bytes": None,
+                   "perplexity": None, "ppl_ratio": None, "top1": None, "tok_per_s": None, "speedup": None,
+                   "answer": "", "write_s": None, "load_s": None, "ppl_s": None, "decode_s": None}
             rows.append(row)
-            t0 = time.perf_counter()
-            try:
-                res = writers.write_checkpoint(source, str(out_dir / fmt), fmt, group_size=group_size,
-                                               dtype=dtype)
-            except (ValueError, NotImplementedError) as e:
-                row.update(status="skipped", reason=_one_line(e))
-                log(f"{fmt}: skipped: {row['reason']}")
-                continue
-            except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
-                row.update(status="failed", reason=f"write: {type(e).__name__}: {_one_line(e)}")
-                log(f"{fmt}: FAILED {row['reason']}")
-                continue
-            row["write_s"] = time.perf_counter() - t0
-            path = getattr(res, "path", res)
+            return row
+
+        def measure(row, path, note):
             try:
                 t0 = time.perf_counter()
-                model = load_model(path, dtype)
+                model = load_model(path, dtype, row["activation"])
                 row["load_s"] = time.perf_counter() - t0
                 ks = kernels_used(model)
                 mb = model_bytes(model)
@@ -604,23 +730,49 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
                 t0 = time.perf_counter()
                 d = decode(model, tok, prompt, decode_tokens)
                 row["decode_s"] = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
                 row.update(status="failed", reason=f"load/run: {type(e).__name__}: {_one_line(e)}")
-                log(f"{fmt}: FAILED {row['reason']}")
-                continue
+                log(f"{row['format']}: FAILED {row['reason']}")
+                return
             finally:
                 model = None
                 gc.collect()
             row.update(kernel=_kernel_summary(ks), kernels=ks, packed_bytes=mb["packed"],
                        dense_bytes=mb["dense"], weights_bytes=mb["total"], perplexity=p.ppl,
                        ppl_ratio=p.ppl / ref.ppl, top1=p.top1,
-                       tok_per_s=d.tok_per_s, speedup=d.tok_per_s / base["tok_per_s"], answer=d.text)
-            skipped = getattr(res, "skipped", None)
-            if skipped:
-                row["reason"] = f"{len(skipped)} layer(s) left dense"
-            log(f"{fmt}: ppl {p.ppl:.3f} ({row['ppl_ratio']:.3f}x), {d.tok_per_s:.1f} tok/s, "
-                f"kernel {row['kernel']} (write {row['write_s']:.1f} s, load {row['load_s']:.1f} s, "
-                f"perplexity {row['ppl_s']:.1f} s, decode {row['decode_s']:.1f} s)")
+                       tok_per_s=d.tok_per_s, speedup=d.tok_per_s / base["tok_per_s"], answer=d.text, reason=note)
+            log(f"{row['format']}: ppl {p.ppl:.3f} ({row['ppl_ratio']:.3f}x), {d.tok_per_s:.1f} tok/s, "
+                f"kernel {row['kernel']} (" + (f"write {row['write_s']:.1f} s, " if row["write_s"] else "")
+                + f"load {row['load_s']:.1f} s, perplexity {row['ppl_s']:.1f} s, decode {row['decode_s']:.1f} s)")
+
+        it = _progress(formats, len(formats), "demo formats", progress)
+        for fmt in it:
+            row = new_row(fmt, "auto")
+            path = note = None
+            t0 = time.perf_counter()
+            try:
+                res = writers.write_checkpoint(source, str(out_dir / fmt), fmt, group_size=group_size,
+                                               dtype=dtype)
+                tok.save_pretrained(getattr(res, "path", res))   # a kept checkpoint is complete: hf-w4 eval takes it
+                path = getattr(res, "path", res)
+            except (ValueError, NotImplementedError) as e:
+                row.update(status="skipped", reason=_one_line(e))
+                log(f"{fmt}: skipped: {row['reason']}")
+            except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
+                row.update(status="failed", reason=f"write: {type(e).__name__}: {_one_line(e)}")
+                log(f"{fmt}: FAILED {row['reason']}")
+            if row["status"] == "ok":
+                row["write_s"] = time.perf_counter() - t0
+                skipped = getattr(res, "skipped", None)
+                note = f"{len(skipped)} layer(s) left dense" if skipped else ""
+                measure(row, path, note)
+            if fmt in w4a8:                          # the same checkpoint again, activations in int8 (W4A8)
+                arow = new_row(f"{fmt} +int8 act", "int8")
+                if path is None:
+                    arow.update(status="skipped", reason=f"no {fmt} checkpoint ({row['status']})")
+                    log(f"{arow['format']}: skipped: {arow['reason']}")
+                else:
+                    measure(arow, path, note)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -663,7 +815,8 @@ def format_demo_table(rows: List[Dict]) -> str:
 
 def format_demo_answers(rows: List[Dict], prompt: str = DEFAULT_PROMPT) -> str:
     lines = [f"prompt: {prompt!r}"]
+    w = max([16] + [len(r["format"]) for r in rows if r["status"] == "ok"])
     for r in rows:
         if r["status"] == "ok":
-            lines.append(f"  {r['format']:<16} {r['answer']!r}")
+            lines.append(f"  {r['format']:<{w}} {r['answer']!r}")
     return "\n".join(lines)

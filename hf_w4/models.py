@@ -180,10 +180,11 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path], dtype="float
 
 def resolve(path: Optional[Union[str, Path]], dtype="float32") -> Path:
     """A model path as given, or the converted default model for ``None`` / an alias (``"default"``,
-    ``"smollm2"``, ...)."""
-    if path is None or str(path).lower() in ALIASES:
+    ``"smollm2"``, ...). As in transformers, an existing local directory wins: ``./smollm2`` (or ``smollm2`` when
+    such a directory exists) is that directory, not the embedded model."""
+    p = Path(path) if path is not None else None
+    if p is None or (str(path).lower() in ALIASES and not p.is_dir()):
         return default_model_path(dtype)
-    p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such model directory (use 'default' for the embedded "
                                 f"{DEFAULT_NAME})")

@@ -1,6 +1,7 @@
 """``hf-w4`` usage errors are one line on stderr (exit status 2), found before the long part of a run, on tiny offline
 models: mismatched reference / tokenizer, BOS without a BOS token, unwritable --json, a file as model path, a
-checkpoint without tokenizer files, bad bench arguments, out-of-range counts, a closed stdout."""
+checkpoint without tokenizer files or a --tokenizer that is none, a directory as --text, a checkpoint without weights or
+with a broken config.json, bad bench arguments, out-of-range counts, a closed stdout."""
 import json
 import os
 import subprocess
@@ -101,6 +102,12 @@ def test_checkpoint_without_tokenizer_files(tiny, tmp_path, capsys):
     E.load_model(tiny, torch.float32).save_pretrained(notok)      # written from a model object: no tokenizer
     rc, _, err = _run(capsys, "eval", notok, *FAST)
     assert rc == 2 and "no tokenizer files" in err and "--tokenizer" in err, err
+    # a bad --tokenizer: the message names the option, not a "model directory", and does not advise passing it
+    for bad, why in ((tmp_path / "nope", "no such directory"), (notok, "no tokenizer files"),
+                     (tiny / "config.json", "is a file")):
+        rc, _, err = _run(capsys, "eval", tiny, "--tokenizer", bad, *FAST)
+        assert rc == 2 and f"--tokenizer {bad}: {why}" in err, err
+        assert "model directory" not in err and "--tokenizer PATH" not in err and len(err.splitlines()) == 1, err
     out_json = tmp_path / "r.json"
     rc, out, err = _run(capsys, "eval", notok, "--tokenizer", tiny, "--reference", tiny, *FAST, "--json", out_json)
     assert rc == 0, err
@@ -108,13 +115,36 @@ def test_checkpoint_without_tokenizer_files(tiny, tmp_path, capsys):
     assert r["tokenizer"] == str(tiny) and r["top1_agreement"] == 1.0 and "perplexity" in out
 
 
+def test_other_os_errors_are_one_line(tiny, tmp_path, capsys):
+    """Not only FileNotFoundError / NotADirectoryError: any OSError (a directory as --text, transformers' "no weight
+    files" and "not a valid JSON file") is one line naming the path, exit 2, not a traceback."""
+    noweights, badcfg = tmp_path / "noweights", tmp_path / "badcfg"
+    noweights.mkdir()
+    badcfg.mkdir()
+    for f in tiny.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (noweights / f.name).write_bytes(f.read_bytes())
+    (badcfg / "config.json").write_text("{")
+    for argv, expect in ((["eval", tiny, "--text", tmp_path, *FAST], f"--text {tmp_path}: Is a directory"),
+                         (["eval", noweights, *FAST], str(noweights)),
+                         (["info", badcfg], str(badcfg / "config.json"))):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith(f"hf-w4 {argv[0]}: error: ") and expect in err, err
+
+
 # ------------------------------------------------------------------------------------------ counts
 def test_counts_out_of_range(tiny, capsys):
-    for argv in (["--max-tokens", "-1"], ["--decode-tokens", "1"], ["--decode-tokens", "-3"]):
-        with pytest.raises(SystemExit) as e:
+    for argv, expect in ((["--threads", "-1"], ">= 1"), (["--threads", "0"], ">= 1"), (["--window", "1"], ">= 2"),
+                         (["--max-tokens", "-1"], ">= 0"), (["--decode-tokens", "1"], "0 (skip decoding) or >= 2"),
+                         (["--decode-tokens", "-3"], ">= 2")):
+        with pytest.raises(SystemExit) as e:                        # argparse: before any model is loaded
             cli.main(["eval", str(tiny), *argv])
         assert e.value.code == 2
-        assert argv[0] in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert argv[0] in err and expect in err, err
+    assert cli.build_parser().parse_args(["eval", "x"]).threads is None              # absent: torch's choice
+    assert cli.build_parser().parse_args(["eval", "x", "--threads", "3"]).threads == 3
     with pytest.raises(SystemExit):
         cli.main(["demo", "--decode-tokens", "1"])
     tok = E.load_tokenizer(tiny)
@@ -152,6 +182,18 @@ def test_info_modelopt_shows_quant_algo():
         m = types.SimpleNamespace(config=types.SimpleNamespace(
             quantization_config={"quant_method": "modelopt", "quant_algo": algo}))
         assert E.quant_format(m) == f"modelopt:{algo}"
+
+
+def test_compressed_tensors_label_has_the_bits():
+    """W8A8 and W4A8 are both compressed-tensors "int-quantized": the label tells them apart (and W4A16)."""
+    def ct(fmt, w_bits, a_bits):
+        group = {"targets": ["Linear"], "weights": {"num_bits": w_bits, "type": "int"}, "format": fmt,
+                 "input_activations": {"num_bits": a_bits, "type": "int", "dynamic": True} if a_bits else None}
+        return types.SimpleNamespace(config=types.SimpleNamespace(quantization_config={
+            "quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}}))
+    assert E.quant_format(ct("int-quantized", 8, 8)) == "compressed-tensors:int-quantized W8A8"
+    assert E.quant_format(ct("int-quantized", 4, 8)) == "compressed-tensors:int-quantized W4A8"
+    assert E.quant_format(ct("pack-quantized", 4, None)) == "compressed-tensors:pack-quantized W4A16"
 
 
 def test_closed_stdout_exits_quietly():

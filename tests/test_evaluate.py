@@ -3,12 +3,14 @@ import json
 import math
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hf_w4  # noqa: E402
 from hf_w4 import evaluate as E  # noqa: E402
 from hf_w4 import models  # noqa: E402
 
@@ -146,7 +148,7 @@ def test_dist_single_process():
     d = E.Dist.detect()
     assert (d.rank, d.world, d.main) == (0, 1, True)
     t = torch.ones(3)
-    assert d.all_reduce_sum(t) is t and d.all_max(5.0) == [5.0]
+    assert d.all_reduce_sum(t) is t and d.per_rank(5.0) == [5.0]
     d.barrier()
 
 
@@ -195,6 +197,48 @@ def test_evaluate_result(tiny):
     assert r["peak_rss_bytes"] == r["peak_rss_bytes_per_rank"][0] > 0
     text = E.format_eval(r)
     assert "perplexity" in text and "top-1" in text and "peak RSS" in text
+    assert r["activation"] is None and "\nactivation " not in text                   # dense: no such line
+
+
+def test_evaluate_peak_rss_is_the_checkpoints_own(tiny, monkeypatch):
+    """The peak RSS is sampled before the reference is loaded (the reference then runs against the checkpoint's
+    argmax: same top-1, same reference perplexity), and it is the maximum over the ranks, not rank 0's."""
+    events = []
+    real_load, real_rss = E.load_model, E.peak_rss_bytes
+    monkeypatch.setattr(E, "load_model", lambda path, *a, **k: events.append(("load", str(path))) or
+                        real_load(path, *a, **k))
+    monkeypatch.setattr(E, "peak_rss_bytes", lambda: events.append(("rss",)) or real_rss())
+
+    class TwoRanks(E.Dist):          # rank 0 of 2 whose peer peaked higher; one process does all the windows
+        def per_rank(self, value):
+            return [value, 3 * value]
+
+    r = E.evaluate(tiny, max_tokens=128, window=64, reference=tiny, dtype=torch.float32, decode_tokens=0,
+                   progress=False, dist=TwoRanks())
+    assert events == [("load", str(tiny)), ("rss",), ("load", str(tiny))]
+    assert r["top1_agreement"] == 1.0 and r["reference_perplexity"] == r["perplexity"]
+    assert r["peak_rss_bytes_per_rank"][1] == 3 * r["peak_rss_bytes_per_rank"][0] == r["peak_rss_bytes"]
+    assert "(before the reference was loaded)" in E.format_eval(r)
+
+
+def test_checkpoint_quant_method(tiny, tmp_path):
+    """The family an --activation override loads with: from config.json, or ModelOpt's hf_quant_config.json."""
+    from hf_w4.quantizers.config import GPTQConfig, ModelOptConfig
+    assert E.checkpoint_quant_method(tiny) is None
+    cfg = json.loads((tiny / "config.json").read_text())
+    for name, qc, side in (("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32}, None),
+                           ("modelopt", None, {"quantization": {"quant_algo": "W4A16_NVFP4"}})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc) if qc else cfg))
+        if side:
+            (d / "hf_quant_config.json").write_text(json.dumps(side))
+        assert E.checkpoint_quant_method(d) == name
+        with hf_w4.enabled():                   # constructing a config installs hf_w4: only for this block
+            c = E.activation_config(d, "int8")
+        assert isinstance(c, {"gptq": GPTQConfig, "modelopt": ModelOptConfig}[name]) and c.activation == "int8"
+    with pytest.raises(ValueError, match="dense checkpoint"):
+        E.activation_config(tiny, "none")
 
 
 def test_demo_table_formatting():
@@ -266,6 +310,12 @@ def test_resolve(tmp_path, monkeypatch):
         models.resolve(tmp_path / "nope")
     monkeypatch.setattr(models, "default_model_path", lambda dtype="float32": "DEFAULT")
     assert models.resolve(None) == models.resolve("default") == models.resolve("SmolLM2") == "DEFAULT"
+    # as in transformers, an existing local directory wins over an alias of the same name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "default").write_text("a file, not a model directory")
+    assert models.resolve("smollm2") == Path("smollm2") and models.resolve("./smollm2") == Path("smollm2")
+    assert models.resolve("default") == models.resolve("SmolLM2-135M") == "DEFAULT"
 
 
 needs_smollm2 = pytest.mark.skipif(
