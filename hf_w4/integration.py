@@ -13,7 +13,8 @@ explicitly (``install()``), reversibly (``uninstall()``), and only for the metho
 * ``modeling_utils.get_hf_quantizer`` is wrapped (with ``modelopt``): a local checkpoint whose config.json has no
   quantization_config but which carries ModelOpt's ``hf_quant_config.json`` with a ``quant_algo`` (older ModelOpt
   exports; vLLM reads them the same way) loads as if ``quantization_config=ModelOptConfig()`` had been passed —
-  without it transformers builds a dense model and fails on the packed tensors' shapes.
+  without it transformers builds a dense model and fails on the packed tensors' shapes. (transformers does not pass
+  ``subfolder`` on, so a checkpoint in a subfolder needs the explicit ``ModelOptConfig()``.)
 
 ``install()`` also lets PEFT's LoRA wrap ``QuantLinear`` layers (``hf_w4.lora``); ``uninstall()`` leaves that in
 place, since it only ever matches layers hf_w4 loaded.
@@ -90,7 +91,8 @@ def uninstall() -> None:
 
 def modelopt_sidecar_algo(config) -> Optional[str]:
     """The ``quant_algo`` of a local ModelOpt export whose config.json has no quantization_config but which carries
-    ``hf_quant_config.json`` (``config``: the loaded config), else None."""
+    ``hf_quant_config.json`` (``config``: the loaded config), else None. A file that is not ModelOpt's JSON object is
+    an error naming it (the checkpoint next to it is most likely packed: loading it dense would fail obscurely)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     quantized = getattr(config, "quantization_config", None) is not None or \
         getattr(text, "quantization_config", None) is not None
@@ -100,15 +102,27 @@ def modelopt_sidecar_algo(config) -> Optional[str]:
         return None
     try:
         with open(side) as f:
-            algo = (json.load(f).get("quantization") or {}).get("quant_algo")
-    except (OSError, ValueError, AttributeError):
-        return None
+            q = json.load(f)
+        algo = (q.get("quantization") or {}).get("quant_algo")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{side}: cannot read ModelOpt's quantization from it ({type(e).__name__}: {e}); config.json "
+                         "has no quantization_config, so hf_w4 looked there") from None
     return algo or None  # a KV-cache-only export (quant_algo null) stays a dense model
 
 
 def _get_hf_quantizer(config, quantization_config, *args, **kwargs):
-    if quantization_config is None and kwargs.get("gguf_file") is None and modelopt_sidecar_algo(config):
+    algo = None
+    if quantization_config is None and kwargs.get("gguf_file") is None:
+        algo = modelopt_sidecar_algo(config)
+    if algo:
+        from .formats.modelopt import ALGOS
         from .quantizers.config import ModelOptConfig
+        if algo not in ALGOS:
+            raise NotImplementedError(
+                f"{os.path.join(str(config._name_or_path), 'hf_quant_config.json')}: ModelOpt quant_algo {algo!r} is "
+                f"not supported (supported: {sorted(ALGOS)}); hf_w4 read this file because config.json has no "
+                "quantization_config. To load the directory without it: hf_w4.install() without 'modelopt', or "
+                "remove the file")
         quantization_config = ModelOptConfig()
     return _extra["get_hf_quantizer"](config, quantization_config, *args, **kwargs)
 

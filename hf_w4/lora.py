@@ -8,12 +8,15 @@ PEFT does for GPTQ / AWQ layers. Every other layer type goes to PEFT's own code 
 for this: if it is not imported yet, an import hook applies the change when PEFT's LoRA module is first imported
 (importing PEFT costs seconds). The change stays for the process; it acts on ``QuantLinear`` layers only.
 
-What works: plain LoRA (any ``r`` / ``lora_alpha`` / dropout / ``lora_bias`` / rsLoRA, several adapters, Gaussian or
-default init, ``target_modules="all-linear"``), training (input gradients flow through the compiled ops), ``disable_adapter``, saving and loading
-adapters, ``unload()``. Refused with an error saying why: merging into the packed weight (it would have to be
-re-quantized: load the base with ``dequantize=True`` to merge), LoRA variants (DoRA, aLoRA, ...) and
-initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA).
-Written against the PEFT internals of peft 0.21 (``LoraModel._create_new_module`` / ``_replace_module``); where
+What works: plain LoRA (any ``r`` / ``lora_alpha`` / dropout / ``lora_bias`` / rsLoRA, several adapters, mixed-adapter
+batches, Gaussian or default init, ``target_modules="all-linear"``), training (input gradients flow through the
+compiled ops), ``disable_adapter``, ``add_weighted_adapter``, saving and loading adapters, ``unload()``, pickling.
+Refused with an error saying why, before anything changes: merging into the packed weight (it would have to be
+re-quantized: load the base with ``dequantize=True`` to merge; after ``model.dequantize()`` merging works),
+LoRA variants (DoRA, aLoRA, ...), initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA)
+and ``modules_to_save`` on a quantized module. The wrapper class is ``hf_w4._lora_layer.QuantLoraLinear``.
+Written against the PEFT internals of peft 0.21 (``LoraModel._create_new_module``, ``_replace_module``,
+``_check_merge_allowed``, ``_check_new_adapter_config``, ``tuners_utils._maybe_include_all_linear_layers``); where
 they are missing, a warning says so and PEFT is left alone.
 """
 from __future__ import annotations
@@ -27,8 +30,7 @@ from .nn import QuantLinear
 
 logger = logging.getLogger("hf_w4")
 _TARGET = "peft.tuners.lora.model"
-_PLAIN_INITS = (True, False, "gaussian")
-_layer_cls = None
+PLAIN_INITS = (True, False, "gaussian")
 
 
 def enable() -> None:
@@ -70,7 +72,8 @@ def _patch(module) -> None:
     if getattr(model_cls, "_hf_w4_patched", False):
         return
     utils = sys.modules.get("peft.tuners.tuners_utils")
-    missing = [f"LoraModel.{a}" for a in ("_create_new_module", "_replace_module", "prefix") if not hasattr(model_cls, a)]
+    missing = [f"LoraModel.{a}" for a in ("_create_new_module", "_replace_module", "_check_merge_allowed",
+                                          "_check_new_adapter_config", "prefix") if not hasattr(model_cls, a)]
     missing += [f"tuners_utils.{a}" for a in ("_maybe_include_all_linear_layers", "BaseTunerLayer")
                 if not hasattr(utils, a)]
     if missing:  # never break PEFT itself: QuantLinear layers then meet PEFT's own "not supported" error
@@ -81,14 +84,14 @@ def _patch(module) -> None:
     create, replace = model_cls._create_new_module, model_cls._replace_module
 
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
-        if isinstance(_base(target), QuantLinear):
+        if isinstance(base_of(target), QuantLinear):
             return _quant_lora_linear()(target, adapter_name, config=lora_config, **kwargs)
         return create(lora_config, adapter_name, target, **kwargs)
 
     def _replace_module(self, parent, child_name, new_module, child):
         # PEFT's own version looks for the base layer's device in its qweight / weight / parameters: a dropped code
         # tensor would be rebuilt several times per layer, and a bias-free compressed-tensors layer has none of them
-        base = _base(child)
+        base = base_of(child)
         if not isinstance(base, QuantLinear):
             return replace(self, parent, child_name, new_module, child)
         setattr(parent, child_name, new_module)
@@ -110,91 +113,52 @@ def _patch(module) -> None:
                                            and m is not head and not any(n.startswith(w) for w in wrapped)}
         return peft_config
 
+    def _check_merge_allowed(self):
+        # before PEFT merges anything: a refusal from inside its per-layer loop would leave the dense layers before
+        # it merged (and, for GPTQ, PEFT's own check would answer without naming a layer or a way out)
+        from ._lora_layer import merge_refusal
+        packed = [m for m in self.model.modules()
+                  if isinstance(m, utils.BaseTunerLayer) and isinstance(base_of(m), QuantLinear)]
+        if packed:
+            raise NotImplementedError(merge_refusal(packed[0]) + f" ({len(packed)} such layer(s); nothing was merged)")
+        return check_merge(self)
+
+    def _check_new_adapter_config(self, config):
+        # modules_to_save trains a full copy of a module: a QuantLinear's copy has no trainable weight
+        keep = getattr(config, "modules_to_save", None) or ()
+        keep = [keep] if isinstance(keep, str) else keep
+        hit = [n for n, m in self.model.named_modules() if isinstance(m, QuantLinear) and any(n.endswith(k) for k in keep)]
+        if hit:
+            raise NotImplementedError(
+                f"modules_to_save={list(keep)} selects hf_w4 QuantLinear layer(s) {hit}: a quantized module has no "
+                "dense weight to train in full; train it through LoRA (target_modules), or load the base with "
+                "dequantize=True (or keep that module dense in the checkpoint)")
+        return check_config(self, config)
+
     all_linear = utils._maybe_include_all_linear_layers
+    check_merge, check_config = model_cls._check_merge_allowed, model_cls._check_new_adapter_config
     utils._maybe_include_all_linear_layers = _all_linear
     model_cls._create_new_module = staticmethod(_create_new_module)
     model_cls._replace_module = _replace_module
+    model_cls._check_merge_allowed = _check_merge_allowed
+    model_cls._check_new_adapter_config = _check_new_adapter_config
     model_cls._hf_w4_patched = True
 
 
-def _base(module):
+def base_of(module):
+    """The layer under any PEFT wrappers."""
     base = module.__dict__.get("_modules", {}).get("base_layer")  # a PEFT wrapper; QuantLinear has none
-    return module if base is None else _base(base)
+    return module if base is None else base_of(base)
+
+
+def describe(layer) -> str:
+    base = base_of(layer)
+    if isinstance(base, QuantLinear):
+        return f"{base.name} (hf_w4 QuantLinear, {base.spec.method})"
+    return f"a LoRA layer over {type(base).__name__}"
 
 
 def _quant_lora_linear():
-    """The LoRA wrapper class (built on first use: it derives from PEFT's ``LoraLayer``)."""
-    global _layer_cls
-    if _layer_cls is not None:
-        return _layer_cls
-    import torch
-    from peft.tuners.lora.layer import LoraLayer
-
-    class QuantLoraLinear(torch.nn.Module, LoraLayer):
-        """LoRA on an hf_w4 ``QuantLinear``: ``y = base(x) + sum over active adapters of B(A(dropout(x))) * scaling``."""
-
-        def __init__(self, base_layer, adapter_name, config, r=0, lora_alpha=1, **kwargs):
-            super().__init__()
-            LoraLayer.__init__(self, base_layer, **kwargs)
-            self._active_adapter = adapter_name
-            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
-        def _what(self) -> str:
-            return f"{_base(self).name} (hf_w4 QuantLinear, {_base(self).spec.method})"
-
-        def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-            if config.init_lora_weights not in _PLAIN_INITS:
-                raise NotImplementedError(
-                    f"{self._what()}: init_lora_weights={config.init_lora_weights!r} reads the dense base weight, "
-                    f"which a quantized layer does not hold; supported here: {list(_PLAIN_INITS)} (or load the "
-                    "base with dequantize=True)")
-            return super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
-        @property
-        def lora_variants(self):
-            return {(): None}
-
-        def resolve_lora_variant(self, *, config, **kwargs):
-            try:
-                return super().resolve_lora_variant(config=config, **kwargs)
-            except ValueError as e:
-                raise NotImplementedError(
-                    f"{self._what()}: only plain LoRA is supported on a quantized layer, not the requested variant "
-                    f"({e}); DoRA and the other variants work on a base loaded with dequantize=True") from None
-
-        def _get_in_out_features(self, module):
-            return module.in_features, module.out_features
-
-        def _get_base_layer_device_and_dtype(self, base_layer):
-            # no float weight to follow: the adapter stays in its own (fp32) dtype, on the layer's device
-            return next(iter(_base(self).buffers(recurse=False))).device, None
-
-        def merge(self, safe_merge=False, adapter_names=None):
-            from .quantizers.config import CONFIGS
-            cfg = CONFIGS[_base(self).spec.method].__name__
-            raise NotImplementedError(
-                f"{self._what()}: merging a LoRA adapter into quantized weights would need re-quantization. To merge, "
-                f"load the base model with quantization_config=hf_w4.{cfg}(dequantize=True) (or call "
-                "model.dequantize() before adding the adapter), then PeftModel.from_pretrained(...).merge_and_unload()")
-
-        def unmerge(self):
-            raise NotImplementedError(f"{self._what()}: nothing is merged (merging is not supported)")
-
-        def forward(self, x, *args, **kwargs):
-            result = self.base_layer(x, *args, **kwargs)
-            if self.disable_adapters:
-                return result
-            for name in self.active_adapters:
-                if name not in self.lora_A:
-                    continue
-                lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-                xa = self._cast_input_dtype(x, lora_a.weight.dtype)
-                delta = lora_b(lora_a(self.lora_dropout[name](xa))) * self.scaling[name]
-                result = result + delta.to(result.dtype)
-            return result
-
-        def __repr__(self) -> str:
-            return "lora." + super().__repr__()
-
-    _layer_cls = QuantLoraLinear
-    return _layer_cls
+    """The LoRA wrapper class (``hf_w4._lora_layer`` imports PEFT, so only once PEFT is in use)."""
+    from ._lora_layer import QuantLoraLinear
+    return QuantLoraLinear

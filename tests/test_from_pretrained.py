@@ -184,6 +184,13 @@ def test_modelopt_sidecar_detection_is_scoped(tmp_path, tiny_llama):
                                                                      "kv_cache_quant_algo": "FP8"}}, f)
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    # a sidecar hf_w4 cannot serve, or cannot read, is an error naming the file (not a size-mismatch report)
+    for content, err, what in (({"quantization": {"quant_algo": "FP8"}}, NotImplementedError, "quant_algo 'FP8'"),
+                               ("{not json", ValueError, "cannot read")):
+        with open(dense / "hf_quant_config.json", "w") as f:
+            f.write(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(err, match=f"hf_quant_config.json: .*{what}"):
+            AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("fmt,cfg", [("gptq", hf_w4.GPTQConfig), ("awq", hf_w4.AwqConfig),

@@ -198,3 +198,73 @@ def test_all_linear_with_quantized_lm_head_and_trainer(written, tmp_path):
     assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved and all(".default." in n for n in moved)
+
+
+def test_mixed_batches_weighted_adapters_and_pickle(written):
+    """Per-row adapters (adapter_names=), add_weighted_adapter (svd needs get_delta_weight) and torch.save of the PEFT
+    model, each against the dense twin / the original."""
+    import io
+    res = written("gptq", dict(sym=False, group_size=64))
+    x = _tokens()
+    outs = []
+    for make in (lambda: AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32),
+                 lambda: res.dense_model().float().eval()):
+        torch.manual_seed(2)
+        model = get_peft_model(make(), _lora(), adapter_name="a")
+        model.add_adapter("b", _lora())
+        if not outs:
+            twin_state = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+        else:
+            model.load_state_dict(twin_state, strict=False)
+        model.add_weighted_adapter(["a", "b"], [0.7, 0.3], "w", combination_type="svd")
+        model.eval()
+        with torch.no_grad():
+            mixed = model(x, adapter_names=["a", "b"]).logits
+            model.set_adapter("w")
+            outs.append((mixed, model(x).logits))
+        if len(outs) == 1:
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            with torch.no_grad():
+                assert torch.equal(torch.load(buf, weights_only=False)(x).logits, outs[0][1])
+            with torch.no_grad():
+                model.set_adapter("a")  # row 0 ran adapter a (batch size changes the kernel's row blocking)
+                one = model(x[:1]).logits
+                assert (mixed[:1] - one).abs().max().item() <= 1e-5 * one.abs().max().item()
+    for q, d in zip(outs[0], outs[1]):
+        assert (q - d).abs().max().item() <= 1e-5 * d.abs().max().item()
+
+
+def test_merge_refused_before_anything_changes_and_allowed_after_dequantize(written):
+    """A model with dense and quantized LoRA targets: the merge refusal comes before PEFT merges the dense ones
+    (GPTQ included, whose own PEFT check names no layer); after model.dequantize() the merge runs."""
+    res = written("autoround", dict(sym=True, group_size=32,
+                                    extra_config={"model.layers.0.mlp.down_proj": {"bits": 16}}))
+    torch.manual_seed(3)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32), _lora())
+    dense_target = model.base_model.model.model.layers[0].mlp.down_proj
+    assert type(dense_target).__name__ == "Linear" and not isinstance(dense_target.base_layer, QuantLinear)
+    x = _tokens()
+    with torch.no_grad():
+        y = model(x).logits
+    for call in (model.merge_and_unload, model.merge_adapter):
+        with pytest.raises(NotImplementedError, match="nothing was merged"):
+            call()
+        assert not dense_target.merged and type(model.base_model.model.model.layers[0].mlp.down_proj) is type(dense_target)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, y)
+    gptq = get_peft_model(AutoModelForCausalLM.from_pretrained(written("gptq", dict(sym=True)).path), _lora())
+    with pytest.raises(NotImplementedError, match=r"GPTQConfig\(dequantize=True\)"):
+        gptq.merge_and_unload()
+    model.get_base_model().dequantize()
+    merged = model.merge_and_unload()
+    assert not any(isinstance(m, QuantLinear) for m in merged.modules())
+    with torch.no_grad():
+        assert (merged(x).logits - y).abs().max().item() <= 1e-5 * y.abs().max().item()
+
+
+def test_modules_to_save_on_a_quantized_module_is_refused(written):
+    model = AutoModelForCausalLM.from_pretrained(written("autoround", dict(sym=True, quantize_lm_head=True)).path)
+    with pytest.raises(NotImplementedError, match=r"modules_to_save=\['lm_head'\] selects hf_w4 QuantLinear"):
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
