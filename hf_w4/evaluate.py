@@ -375,10 +375,7 @@ def checkpoint_quant_method(path) -> Optional[str]:
         if q is not None:
             m = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
             return str(getattr(m, "value", m))
-    try:
-        from .integration import modelopt_sidecar_algo
-    except ImportError:
-        return None
+    from .integration import modelopt_sidecar_algo
     return "modelopt" if modelopt_sidecar_algo(cfg) else None
 
 
@@ -753,8 +750,8 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
             try:
                 res = writers.write_checkpoint(source, str(out_dir / fmt), fmt, group_size=group_size,
                                                dtype=dtype)
-                tok.save_pretrained(getattr(res, "path", res))   # a kept checkpoint is complete: hf-w4 eval takes it
                 path = getattr(res, "path", res)
+                tok.save_pretrained(path)   # a kept checkpoint is complete: hf-w4 eval takes it
             except (ValueError, NotImplementedError) as e:
                 row.update(status="skipped", reason=_one_line(e))
                 log(f"{fmt}: skipped: {row['reason']}")

@@ -116,9 +116,8 @@ def _patch(module) -> None:
     def _check_merge_allowed(self):
         # before PEFT merges anything: a refusal from inside its per-layer loop would leave the dense layers before
         # it merged (and, for GPTQ, PEFT's own check would answer without naming a layer or a way out)
-        from ._lora_layer import merge_refusal
-        packed = [m for m in self.model.modules()
-                  if isinstance(m, utils.BaseTunerLayer) and isinstance(base_of(m), QuantLinear)]
+        from ._lora_layer import QuantLoraLinear, merge_refusal
+        packed = [m for m in self.model.modules() if isinstance(m, QuantLoraLinear) and m._packed()]
         if packed:
             raise NotImplementedError(merge_refusal(packed[0]) + f" ({len(packed)} such layer(s); nothing was merged)")
         return check_merge(self)

@@ -193,8 +193,7 @@ class HfW4Quantizer(HfQuantizer):
     @property
     def is_trainable(self):
         # the packed weights are frozen buffers, but input gradients flow through every kernel (the compiled ops
-        # register grad_x = grad_y @ W), so hand-written adapters on a quantized base train (PEFT's get_peft_model
-        # does not take QuantLinear yet: see the README)
+        # register grad_x = grad_y @ W), so adapters on a quantized base train (PEFT's LoRA through hf_w4.lora)
         return True
 
     def get_state_dict_and_metadata(self, model):
