@@ -239,6 +239,13 @@ def test_checkpoint_quant_method(tiny, tmp_path):
         assert isinstance(c, {"gptq": GPTQConfig, "modelopt": ModelOptConfig}[name]) and c.activation == "int8"
     with pytest.raises(ValueError, match="dense checkpoint"):
         E.activation_config(tiny, "none")
+    with pytest.raises(ValueError, match=r"activation 'int4' is not supported; supported: \["):
+        E.activation_config(tmp_path / "gptq", "int4")
+    d = tmp_path / "bnb"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": "bitsandbytes"})))
+    with pytest.raises(ValueError, match="'bitsandbytes' checkpoint, which hf_w4 does not load; supported quant_methods"):
+        E.activation_config(d, "int8")
 
 
 def test_demo_table_formatting():

@@ -268,3 +268,22 @@ def test_modules_to_save_on_a_quantized_module_is_refused(written):
     model = AutoModelForCausalLM.from_pretrained(written("autoround", dict(sym=True, quantize_lm_head=True)).path)
     with pytest.raises(NotImplementedError, match=r"modules_to_save=\['lm_head'\] selects hf_w4 QuantLinear"):
         get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+
+
+def test_peft_without_the_expected_internals_is_left_alone(caplog):
+    """A PEFT whose LoraModel lacks the methods hf_w4.lora replaces: a warning naming them, and nothing patched."""
+    import logging
+    import types
+    from hf_w4 import lora
+
+    class LoraModel:  # a stand-in without _replace_module / _check_merge_allowed / _check_new_adapter_config
+        prefix = "lora_"
+
+        @staticmethod
+        def _create_new_module(*a, **k):
+            return None
+    with caplog.at_level(logging.WARNING, logger="hf_w4"):
+        lora._patch(types.SimpleNamespace(LoraModel=LoraModel))
+    assert "LoRA on QuantLinear layers is unavailable with peft" in caplog.text
+    assert "LoraModel._replace_module" in caplog.text and not getattr(LoraModel, "_hf_w4_patched", False)
+    assert LoraModel._create_new_module() is None
