@@ -47,7 +47,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import layouts
+from . import layouts, moe
 from .formats.spec import W4Spec
 
 __all__ = ["FORMATS", "WriteResult", "RTNResult", "WriterError", "write_checkpoint", "quantize_rtn"]
@@ -298,6 +298,7 @@ class WriteResult:
             model = self._model_cls(cfg)
         finally:
             torch.set_default_dtype(prev)
+        moe.unfuse_all(model)   # written one Linear per expert projection (write_checkpoint)
         sd = self.dense_state_dict()
         own = model.state_dict()
         for key in own:  # tied weights (lm_head sharing the embedding) are not written separately
@@ -473,74 +474,77 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     else:
         raise WriterError(f"model_or_dir must be a PreTrainedModel or a checkpoint directory, got {type(model_or_dir)}")
 
-    ignore = tuple(ignore or ())
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names = [n for n, _ in linears]
-    mods = dict(model.named_modules())
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    lm_name = next((n for n, m in model.named_modules() if out_emb is not None and m is out_emb), "lm_head")
-    _check_ignore(ignore, names, lm_name, opts["quantize_lm_head"])
-    emb_name = next((n for n, m in model.named_modules() if in_emb is not None and m is in_emb), "model.embed_tokens")
-    tied = (out_emb is not None and in_emb is not None and out_emb.weight.data_ptr() == in_emb.weight.data_ptr())
-    if isinstance(block_name_to_quantize, str):
-        blocks = tuple(b.strip() for b in block_name_to_quantize.split(",") if b.strip())
-    elif block_name_to_quantize:
-        blocks = tuple(block_name_to_quantize)
-    else:
-        b = _find_blocks(model, [n for n in names if n != lm_name])
-        blocks = (b,) if b else ()
-    plans = _plan(fmt, opts, linears, lm_name, blocks, ignore, skip_incompatible, extra_config)
+    # MoE experts fused into 3-D parameters (transformers 5) are quantized one Linear per expert projection,
+    # under the per-expert names the producers write (hf_w4.moe)
+    with moe.unfused(model):
+        ignore = tuple(ignore or ())
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        names = [n for n, _ in linears]
+        mods = dict(model.named_modules())
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        lm_name = next((n for n, m in model.named_modules() if out_emb is not None and m is out_emb), "lm_head")
+        _check_ignore(ignore, names, lm_name, opts["quantize_lm_head"])
+        emb_name = next((n for n, m in model.named_modules() if in_emb is not None and m is in_emb), "model.embed_tokens")
+        tied = (out_emb is not None and in_emb is not None and out_emb.weight.data_ptr() == in_emb.weight.data_ptr())
+        if isinstance(block_name_to_quantize, str):
+            blocks = tuple(b.strip() for b in block_name_to_quantize.split(",") if b.strip())
+        elif block_name_to_quantize:
+            blocks = tuple(block_name_to_quantize)
+        else:
+            b = _find_blocks(model, [n for n in names if n != lm_name])
+            blocks = (b,) if b else ()
+        plans = _plan(fmt, opts, linears, lm_name, blocks, ignore, skip_incompatible, extra_config)
 
-    # ---------------------------------------------------------------- quantize (before touching the disk)
-    tensors: Dict[str, torch.Tensor] = {}
-    rtn: Dict[str, RTNResult] = {}
-    gen = torch.Generator().manual_seed(int(seed))
-    amax_in = _input_amax(model, plans, input_amax, seed) if fmt == "modelopt-nvfp4" else {}
-    for p in plans.values():
-        if p.spec is None:
-            continue
-        mod = mods[p.name]
-        w = mod.weight.detach().to("cpu", torch.float32)
-        g_idx = None
-        if opts["desc_act"] and p.group_size != -1:
-            perm = torch.randperm(p.k, generator=gen)
-            g_idx = torch.empty(p.k, dtype=torch.int64)
-            g_idx[perm] = torch.arange(p.k) // p.group_size
-        r = quantize_rtn(w, p.kind, p.group_size, p.sym, sym_scale=opts["sym_scale"], zero_min=p.zero_min,
-                         scale_dtype=_scale_dtype(fmt, dtype), g_idx=g_idx, name=f"{fmt}: {p.name}")
-        if p.spec.layout == "gptq" and p.spec.has_g_idx and g_idx is None:
-            r.g_idx = torch.arange(p.k) // (p.k if p.group_size == -1 else p.group_size)
-        rtn[p.name] = r
-        packed = layouts.pack(p.spec, r.codes, r.scales, r.zeros, r.global_scale, r.g_idx,
-                              scale_dtype=r.scale_dtype if r.scale_dtype != layouts.FP8 else None)
-        layouts.declare(p.spec, p.n, p.k, p.name)  # final guard: the loader's view of the layout
-        for t, v in packed.items():
-            tensors[f"{p.name}.{t}"] = v.contiguous()
-        if fmt == "modelopt-nvfp4":
-            tensors[f"{p.name}.input_scale"] = torch.tensor(amax_in[p.name] / (E2M1_MAX * FP8_MAX), dtype=torch.float32)
-        if mod.bias is not None:
-            tensors[f"{p.name}.bias"] = mod.bias.detach().to("cpu", dtype).contiguous()
+        # ---------------------------------------------------------------- quantize (before touching the disk)
+        tensors: Dict[str, torch.Tensor] = {}
+        rtn: Dict[str, RTNResult] = {}
+        gen = torch.Generator().manual_seed(int(seed))
+        amax_in = _input_amax(model, plans, input_amax, seed) if fmt == "modelopt-nvfp4" else {}
+        for p in plans.values():
+            if p.spec is None:
+                continue
+            mod = mods[p.name]
+            w = mod.weight.detach().to("cpu", torch.float32)
+            g_idx = None
+            if opts["desc_act"] and p.group_size != -1:
+                perm = torch.randperm(p.k, generator=gen)
+                g_idx = torch.empty(p.k, dtype=torch.int64)
+                g_idx[perm] = torch.arange(p.k) // p.group_size
+            r = quantize_rtn(w, p.kind, p.group_size, p.sym, sym_scale=opts["sym_scale"], zero_min=p.zero_min,
+                             scale_dtype=_scale_dtype(fmt, dtype), g_idx=g_idx, name=f"{fmt}: {p.name}")
+            if p.spec.layout == "gptq" and p.spec.has_g_idx and g_idx is None:
+                r.g_idx = torch.arange(p.k) // (p.k if p.group_size == -1 else p.group_size)
+            rtn[p.name] = r
+            packed = layouts.pack(p.spec, r.codes, r.scales, r.zeros, r.global_scale, r.g_idx,
+                                  scale_dtype=r.scale_dtype if r.scale_dtype != layouts.FP8 else None)
+            layouts.declare(p.spec, p.n, p.k, p.name)  # final guard: the loader's view of the layout
+            for t, v in packed.items():
+                tensors[f"{p.name}.{t}"] = v.contiguous()
+            if fmt == "modelopt-nvfp4":
+                tensors[f"{p.name}.input_scale"] = torch.tensor(amax_in[p.name] / (E2M1_MAX * FP8_MAX), dtype=torch.float32)
+            if mod.bias is not None:
+                tensors[f"{p.name}.bias"] = mod.bias.detach().to("cpu", dtype).contiguous()
 
-    # every other tensor in the model dtype; a tied lm_head is dropped unless it was quantized (untied)
-    other: Dict[str, torch.Tensor] = {}
-    seen: Dict[int, str] = {}
-    quantized_weights = {f"{n}.weight" for n in rtn}
-    untie = tied and lm_name in rtn
-    for key, v in model.state_dict().items():
-        if key in quantized_weights:
-            continue
-        if key.rsplit(".", 1)[0] in rtn and key.endswith(".bias"):
-            other[key] = tensors[key]
-            continue
-        ptr = v.data_ptr()
-        if ptr in seen and v.numel() > 0:
-            continue  # shared storage (tied): written once, under its first name
-        seen[ptr] = key
-        t = v.detach().to("cpu")
-        t = t.to(dtype) if t.is_floating_point() else t
-        other[key] = t.contiguous().clone()
-        tensors[key] = other[key]
+        # every other tensor in the model dtype; a tied lm_head is dropped unless it was quantized (untied)
+        other: Dict[str, torch.Tensor] = {}
+        seen: Dict[int, str] = {}
+        quantized_weights = {f"{n}.weight" for n in rtn}
+        untie = tied and lm_name in rtn
+        for key, v in model.state_dict().items():
+            if key in quantized_weights:
+                continue
+            if key.rsplit(".", 1)[0] in rtn and key.endswith(".bias"):
+                other[key] = tensors[key]
+                continue
+            ptr = v.data_ptr()
+            if ptr in seen and v.numel() > 0:
+                continue  # shared storage (tied): written once, under its first name
+            seen[ptr] = key
+            t = v.detach().to("cpu")
+            t = t.to(dtype) if t.is_floating_point() else t
+            other[key] = t.contiguous().clone()
+            tensors[key] = other[key]
 
     # ---------------------------------------------------------------- configs
     qcfg = _quant_config(fmt, opts, plans, lm_name, emb_name, blocks, extra_config, dtype)

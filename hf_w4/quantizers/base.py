@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
-from .. import checkpoint, formats, layouts
+from .. import checkpoint, formats, layouts, moe
 from ..checkpoint import CheckpointError
 from ..nn import QuantLinear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
@@ -138,6 +138,10 @@ class HfW4Quantizer(HfQuantizer):
     def update_parallel_plan(self, model, plan):
         pass  # packed tensors carry no generic sharding plan
 
+    def update_weight_conversions(self, weight_conversions, model):
+        # per-expert tensors of MoE layers load as stored, into per-expert Linears (hf_w4.moe), not merged
+        return super().update_weight_conversions(moe.drop_expert_merges(weight_conversions, model), model)
+
     # -- loading
     def _checkpoint_dict(self, checkpoint_files) -> dict:
         raw = self.quantization_config.checkpoint_dict()
@@ -159,6 +163,8 @@ class HfW4Quantizer(HfQuantizer):
         if headers is not None:
             # transformers renames checkpoint keys only after this swap: match the names it will load them as
             headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self)
+            # MoE experts stored one Linear per expert: unfused, so each projection is a Linear swapped below
+            moe.unfuse_for_checkpoint(model, headers)
         skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
         act = ACTIVATION_MODES[self.options["activation"]]
         n = replace_linear(model, self.format, headers, activation=act, skip=skip)

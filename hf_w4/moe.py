@@ -1,0 +1,290 @@
+"""MoE experts one Linear per expert projection, as the producers quantize and store them.
+
+transformers 5 fuses a MoE layer's experts into one module with 3-D parameters (``Qwen3MoeExperts``:
+``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) and merges a checkpoint's per-expert weights into them
+while loading (the model's conversion mapping). GPTQ / AWQ / auto-round / compressed-tensors / ModelOpt write
+one quantized Linear per expert projection (``mlp.experts.3.gate_proj.qweight``), which that merge cannot take.
+So where the checkpoint stores an experts module per expert, hf_w4 swaps it for :class:`UnfusedExperts`: a
+``ModuleList`` of experts, each holding its projections as ``nn.Linear`` under the checkpoint's names (taken
+from the model's own merge: ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``),
+which the quantizer then swaps for ``QuantLinear`` like any other Linear; the model's merges into such modules
+are dropped, so the tensors load under their stored names and ``save_pretrained`` writes them back the same way.
+The forward is the one of transformers' eager experts (route, per hit expert ``act(gate) * up`` then ``down``,
+weighted, summed), with each projection through the compiled kernel.
+
+Unfused are experts modules with the default gate (``act_fn(gate) * up``, concatenated gate then up) and no
+post-expert norm; others (a custom ``_apply_gate`` such as gpt-oss's, interleaved gate/up) stay fused, and a
+checkpoint that stores quantized tensors for them per expert is refused with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+FUSED = ("gate_up_proj", "down_proj")   # the fused experts' parameters this module reads
+DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def is_fused_experts(m: nn.Module) -> bool:
+    """A transformers experts module with 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
+    ps = [getattr(m, p, None) for p in FUSED]
+    return all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in ps)
+
+
+def fused_problem(m: nn.Module) -> Optional[str]:
+    """Why hf_w4 cannot run this fused experts module per expert (None: it can)."""
+    if getattr(m, "has_gate", True) is False:
+        return "it has no gate projection"
+    if getattr(m, "is_concatenated", True) is False:
+        return "its gate and up projections are interleaved"
+    if getattr(m, "has_post_expert_norm", False):
+        return "it normalizes each expert's output"
+    gate = getattr(type(m), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        return f"it has its own gate function ({type(m).__name__}._apply_gate)"
+    if not callable(getattr(m, "act_fn", None)):
+        return "it has no act_fn"
+    if getattr(m, "has_bias", False) and not all(
+            isinstance(getattr(m, f"{p}_bias", None), torch.Tensor) for p in FUSED):
+        return "it has biases hf_w4 cannot find (gate_up_proj_bias / down_proj_bias)"
+    return None
+
+
+def dims(m: nn.Module) -> Tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a fused experts module."""
+    gu, dn = m.gate_up_proj, m.down_proj
+    if getattr(m, "is_transposed", False):
+        e, h, i2 = gu.shape
+        want = (e, i2 // 2, h)
+    else:
+        e, i2, h = gu.shape
+        want = (e, h, i2 // 2)
+    if i2 % 2 or tuple(dn.shape) != want:
+        raise ValueError(f"{type(m).__name__}: gate_up_proj {list(gu.shape)} and down_proj {list(dn.shape)} "
+                         "are not the shapes of fused gate/up and down projections")
+    return e, h, i2 // 2
+
+
+class Expert(nn.Module):
+    """One expert's projections, as attributes named like the checkpoint's."""
+
+    def __init__(self, names: Sequence[str], linears: Sequence[nn.Module]):
+        super().__init__()
+        for n, lin in zip(names, linears):
+            setattr(self, n, lin)
+
+
+class UnfusedExperts(nn.Module):
+    """The experts of one MoE layer, one module per expert (children ``0`` .. ``E-1``, as the checkpoint names
+    them); called as the fused module it replaces:
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+
+    def __init__(self, experts: Sequence[Expert], names: Sequence[str], act_fn, fused_type: str = ""):
+        super().__init__()
+        for i, e in enumerate(experts):
+            self.add_module(str(i), e)
+        self.names = tuple(names)
+        self.act_fn = act_fn
+        self.num_experts = len(experts)
+        self.fused_type = fused_type
+
+    def __getitem__(self, i: int) -> Expert:
+        return self._modules[str(i)]
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def extra_repr(self) -> str:
+        return f"unfused {self.fused_type}, projections {'/'.join(self.names)}"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_name, up_name, down_name = self.names
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)[:self.num_experts].nonzero()
+        for e in hit.flatten().tolist():
+            token, pos = torch.where(top_k_index == e)
+            x = hidden_states[token]
+            expert = self[e]
+            h = self.act_fn(getattr(expert, gate_name)(x)) * getattr(expert, up_name)(x)
+            y = getattr(expert, down_name)(h) * top_k_weights[token, pos, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def projection_names(model: nn.Module) -> Tuple[str, str, str]:
+    """(gate, up, down) per-expert projection names the model's conversion mapping merges into its fused experts
+    (``gate_proj`` / ``up_proj`` / ``down_proj`` where the model has none, or transformers cannot say)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # noqa: BLE001 - another transformers: the producers' usual names
+        return DEFAULT_NAMES
+    found: Dict[str, List[str]] = {}
+    for t in transforms:
+        if not isinstance(t, WeightConverter):
+            continue
+        targets = getattr(t, "_original_target_patterns", None) or t.target_patterns
+        sources = getattr(t, "_original_source_patterns", None) or t.source_patterns
+        for param in FUSED:
+            if any(str(x).rstrip("$").endswith(f"experts.{param}") for x in targets):
+                names = [re.search(r"experts\.\*\.(\w+)\.weight", str(s)) for s in sources]
+                if all(names):
+                    found[param] = [n.group(1) for n in names]
+    gate_up, down = found.get("gate_up_proj", []), found.get("down_proj", [])
+    if len(gate_up) == 2 and len(down) == 1:
+        return gate_up[0], gate_up[1], down[0]
+    return DEFAULT_NAMES
+
+
+def _linear(n_in: int, n_out: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+            like: torch.Tensor, has_bias: bool) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out, bias=has_bias, device="meta" if weight is None else like.device, dtype=like.dtype)
+    if weight is not None:   # views of the fused parameters: no copy
+        lin.weight = nn.Parameter(weight, requires_grad=like.requires_grad)
+        if has_bias:
+            lin.bias = nn.Parameter(bias, requires_grad=like.requires_grad)
+    elif like.device.type != "meta":
+        lin = lin.to_empty(device=like.device)
+    return lin
+
+
+def unfuse(m: nn.Module, names: Sequence[str], share: bool = False) -> UnfusedExperts:
+    """An :class:`UnfusedExperts` for the fused module ``m``: with ``share``, its Linears are views of ``m``'s
+    parameters (same values, no copy); otherwise new, uninitialised ones on ``m``'s device, for loading."""
+    problem = fused_problem(m)
+    if problem:
+        raise ValueError(f"{type(m).__name__} cannot run one expert at a time: {problem}")
+    e, h, i = dims(m)
+    gu, dn = m.gate_up_proj, m.down_proj
+    has_bias = bool(getattr(m, "has_bias", False))
+    t = getattr(m, "is_transposed", False)
+    experts = []
+    for x in range(e):
+        if share:
+            w_gu = gu[x].t() if t else gu[x]          # [2I, H]
+            w_dn = dn[x].t() if t else dn[x]          # [H, I]
+            b_gu = m.gate_up_proj_bias[x] if has_bias else None
+            b_dn = m.down_proj_bias[x] if has_bias else None
+            lins = [_linear(h, i, w_gu[:i], b_gu[:i] if has_bias else None, gu, has_bias),
+                    _linear(h, i, w_gu[i:], b_gu[i:] if has_bias else None, gu, has_bias),
+                    _linear(i, h, w_dn, b_dn, dn, has_bias)]
+        else:
+            lins = [_linear(h, i, None, None, gu, has_bias), _linear(h, i, None, None, gu, has_bias),
+                    _linear(i, h, None, None, dn, has_bias)]
+        experts.append(Expert(names, lins))
+    return UnfusedExperts(experts, names, m.act_fn, type(m).__name__)
+
+
+def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    return ((n, m) for n, m in model.named_modules() if is_fused_experts(m))
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+@contextlib.contextmanager
+def unfused(model: nn.Module):
+    """Within the block, every fused experts module of ``model`` that can be is an :class:`UnfusedExperts` over
+    views of its parameters (what a producer sees: one Linear per expert projection); restored on exit."""
+    names = projection_names(model)
+    swapped = []
+    try:
+        for path, m in list(fused_modules(model)):
+            if fused_problem(m) is None:
+                _set(model, path, unfuse(m, names, share=True))
+                swapped.append((path, m))
+        yield [p for p, _ in swapped]
+    finally:
+        for path, m in swapped:
+            _set(model, path, m)
+
+
+def unfuse_all(model: nn.Module) -> List[str]:
+    """Replace every fused experts module that can be by a new (uninitialised) :class:`UnfusedExperts`; their
+    paths."""
+    names = projection_names(model)
+    done = []
+    for path, m in list(fused_modules(model)):
+        if fused_problem(m) is None:
+            _set(model, path, unfuse(m, names))
+            done.append(path)
+    return done
+
+
+def expert_targets(path: str) -> List[str]:
+    """The names a merge into the fused experts module at ``path`` would produce."""
+    return [f"{path}.{p}" for p in FUSED]
+
+
+def drop_expert_merges(conversions: list, model: nn.Module) -> list:
+    """The model's conversions without those that merge per-expert tensors into an experts module hf_w4 runs
+    per expert (an :class:`UnfusedExperts`, or a fused one it can unfuse): those tensors load as stored."""
+    try:
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return conversions
+    targets = [t for n, m in model.named_modules()
+               if isinstance(m, UnfusedExperts) or (is_fused_experts(m) and fused_problem(m) is None)
+               for t in expert_targets(n)]
+    if not targets:
+        return conversions
+
+    def merges_into_experts(c) -> bool:
+        if not isinstance(c, WeightConverter):
+            return False
+        pats = [str(x).lstrip("^").rstrip("$") for x in
+                (getattr(c, "_original_target_patterns", None) or c.target_patterns)]
+        return any(re.search(r"experts\.(gate_up_proj|down_proj)$", p) and any(t.endswith(p.lstrip("."))
+                   for t in targets) for p in pats)
+
+    return [c for c in conversions if not merges_into_experts(c)]
+
+
+def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
+    """Unfuse every fused experts module whose tensors ``headers`` (keyed by loading names) store per expert;
+    their paths. Raises ``CheckpointError`` where that cannot work and the tensors are quantized, and where the
+    stored projection names or expert numbers do not fit the module."""
+    from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
+    names = None
+    done = []
+    for path, m in list(fused_modules(model)):
+        p = path + "."
+        stored: Dict[str, List[str]] = {}    # expert.projection -> tensor names
+        for key in headers:
+            if key.startswith(p):
+                parts = key[len(p):].split(".")
+                if len(parts) == 3 and parts[0].isdigit():
+                    stored.setdefault(f"{parts[0]}.{parts[1]}", []).append(parts[2])
+        if not stored:
+            continue
+        quantized = sorted(k for k, ts in stored.items() if set(ts) & QUANTIZED_WEIGHT_TENSORS)
+        problem = fused_problem(m)
+        if problem:
+            if quantized:
+                raise CheckpointError(
+                    f"{path} ({type(m).__name__}): the checkpoint stores its experts quantized one Linear per "
+                    f"expert (e.g. {path}.{quantized[0]}), but hf_w4 cannot run this experts module one expert at "
+                    f"a time: {problem}. Supported: experts with act_fn(gate) * up (Qwen2/3-MoE, Mixtral, OLMoE, "
+                    "DeepSeek-V2/V3 and the like)")
+            continue
+        names = names or projection_names(model)
+        e = dims(m)[0]
+        bad_names = sorted({k.split(".")[1] for k in stored} - set(names))
+        bad_experts = sorted({int(k.split(".")[0]) for k in stored if int(k.split(".")[0]) >= e})
+        if bad_names or bad_experts:
+            found = f"projection(s) {bad_names}" if bad_names else f"expert number(s) {bad_experts[:5]}"
+            raise CheckpointError(
+                f"{path} ({type(m).__name__}, {e} experts): the checkpoint stores {found} under it; this model's "
+                f"experts are {path}.0..{e - 1} with projections {list(names)}")
+        _set(model, path, unfuse(m, names))
+        done.append(path)
+    return done
