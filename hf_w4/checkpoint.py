@@ -182,10 +182,9 @@ KV_CACHE_SCALES = frozenset({"k_scale", "v_scale"})
 def check_unclaimed(headers: Dict[str, TensorInfo], model: nn.Module) -> None:
     """Raise when the checkpoint holds quantized weights that nothing in the (swapped) model would load.
 
-    That happens where a module exists with parameters of its own but is not an ``nn.Linear``, e.g. the MoE
-    experts transformers 5 fuses into one module with 3-D parameters (``Qwen3MoeExperts``) while GPTQ / AWQ /
-    auto-round write one quantized Linear per expert: transformers would report the tensors as unexpected and
-    leave the module's parameters randomly initialised. Tensors whose names are nowhere in the model are left
+    That happens where a module exists with parameters of its own but is not an ``nn.Linear``, e.g. fused MoE
+    experts that :mod:`hf_w4.moe` did not unfuse while the checkpoint stores one quantized Linear per expert:
+    transformers would report the tensors as unexpected and leave the module's parameters randomly initialised. Tensors whose names are nowhere in the model are left
     alone: they come from a renaming not known here or from layers the model does not have (e.g. a DeepSeek
     MTP layer), which transformers reports as unexpected keys, as for dense checkpoints.
     """

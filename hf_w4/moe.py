@@ -103,16 +103,27 @@ class UnfusedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        # the (token, slot) pairs sorted by expert, gathered once; each expert's rows are then a slice, and the
+        # weighted outputs go back in one index_add (indices >= num_experts, masked experts, are skipped)
         gate_name, up_name, down_name = self.names
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)[:self.num_experts].tolist()
+        order = order[:sum(counts)]
+        token = order // k
+        x = hidden_states[token]
+        ys, start = [], 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            expert, xe = self[e], x[start:start + c]
+            h = self.act_fn(getattr(expert, gate_name)(xe)) * getattr(expert, up_name)(xe)
+            ys.append(getattr(expert, down_name)(h))
+            start += c
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)[:self.num_experts].nonzero()
-        for e in hit.flatten().tolist():
-            token, pos = torch.where(top_k_index == e)
-            x = hidden_states[token]
-            expert = self[e]
-            h = self.act_fn(getattr(expert, gate_name)(x)) * getattr(expert, up_name)(x)
-            y = getattr(expert, down_name)(h) * top_k_weights[token, pos, None]
+        if ys:
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys)) * top_k_weights.reshape(-1)[order, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
