@@ -16,6 +16,10 @@ explicitly (``install()``), reversibly (``uninstall()``), and only for the metho
   without it transformers builds a dense model and fails on the packed tensors' shapes. (transformers does not pass
   ``subfolder`` on, so a checkpoint in a subfolder needs the explicit ``ModelOptConfig()``.)
 
+``PreTrainedModel.resize_token_embeddings`` is wrapped too: with a quantized output embedding it raises before
+anything changes (transformers resizes the input embeddings first, then fails on the packed head, leaving the model
+half resized).
+
 ``install()`` also lets PEFT's LoRA wrap ``QuantLinear`` layers (``hf_w4.lora``); ``uninstall()`` leaves that in
 place, since it only ever matches layers hf_w4 loaded.
 
@@ -66,6 +70,10 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
             from transformers import modeling_utils
             _extra["get_hf_quantizer"] = modeling_utils.get_hf_quantizer
             modeling_utils.get_hf_quantizer = _get_hf_quantizer
+    if "resize_token_embeddings" not in _extra:
+        from transformers import PreTrainedModel
+        _extra["resize_token_embeddings"] = PreTrainedModel.resize_token_embeddings
+        PreTrainedModel.resize_token_embeddings = _resize_token_embeddings
     lora.enable()  # PEFT's LoRA takes QuantLinear layers (process-wide; only ever matches hf_w4 layers)
     logger.info("hf_w4: installed for %s", ", ".join(_saved))
 
@@ -87,6 +95,20 @@ def uninstall() -> None:
     if "get_hf_quantizer" in _extra:
         from transformers import modeling_utils
         modeling_utils.get_hf_quantizer = _extra.pop("get_hf_quantizer")
+    if "resize_token_embeddings" in _extra:
+        from transformers import PreTrainedModel
+        PreTrainedModel.resize_token_embeddings = _extra.pop("resize_token_embeddings")
+
+
+def _resize_token_embeddings(self, *args, **kwargs):
+    from .nn import QuantLinear
+    head = self.get_output_embeddings()
+    if isinstance(head, QuantLinear):
+        raise AttributeError(
+            f"resize_token_embeddings: {head.name} is an hf_w4 QuantLinear ({head.spec.method}, "
+            f"{head.spec.describe()}) that cannot be resized; nothing was changed. It works after model.dequantize(), "
+            "or with a checkpoint that leaves this module dense")
+    return _extra["resize_token_embeddings"](self, *args, **kwargs)
 
 
 def modelopt_sidecar_algo(config) -> Optional[str]:

@@ -96,12 +96,17 @@ def test_keep_checkpoint_tensors_env(written, monkeypatch):
         m.select_kernel(torch.float32)
 
 
-def test_resize_token_embeddings_with_quantized_lm_head(tmp_path, tiny_llama):
+@pytest.mark.parametrize("fmt", ["autoround", "modelopt-nvfp4"])
+def test_resize_token_embeddings_with_quantized_lm_head(tmp_path, tiny_llama, fmt):
+    # refused before anything changes (transformers itself resizes the input embeddings, then fails on the head)
     from hf_w4 import writers
-    res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), "autoround", quantize_lm_head=True)
+    res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), fmt, quantize_lm_head=True)
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
-    with pytest.raises(AttributeError, match=r"lm_head is an hf_w4 QuantLinear .*model\.dequantize\(\)"):
+    emb = model.get_input_embeddings()
+    with pytest.raises(AttributeError, match=r"lm_head is an hf_w4 QuantLinear .*nothing was changed.*"
+                                             r"model\.dequantize\(\)"):
         model.resize_token_embeddings(600)
+    assert model.get_input_embeddings() is emb and emb.weight.shape[0] == tiny_llama.config.vocab_size
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32).dequantize()
     model.resize_token_embeddings(600)
     assert model.lm_head.weight.shape == (600, tiny_llama.config.hidden_size)
