@@ -10,7 +10,10 @@ def test_install_uninstall_restores_transformers():
     hf_w4.uninstall()
     before_q, before_c = dict(qauto.AUTO_QUANTIZER_MAPPING), dict(qauto.AUTO_QUANTIZATION_CONFIG_MAPPING)
     before_types, before_ar = qauto.LOADING_ATTRIBUTES_CONFIG_TYPES, qauto.AutoRoundConfig
+    from transformers import PreTrainedModel, modeling_utils
+    before_resize, before_ghq = PreTrainedModel.resize_token_embeddings, modeling_utils.get_hf_quantizer
     hf_w4.install()
+    assert PreTrainedModel.resize_token_embeddings is not before_resize
     for m in CONFIGS:
         assert qauto.AUTO_QUANTIZER_MAPPING[m] is QUANTIZERS[m]
         assert qauto.AUTO_QUANTIZATION_CONFIG_MAPPING[m] is CONFIGS[m]
@@ -19,6 +22,7 @@ def test_install_uninstall_restores_transformers():
     assert qauto.AUTO_QUANTIZER_MAPPING == before_q and qauto.AUTO_QUANTIZATION_CONFIG_MAPPING == before_c
     assert qauto.LOADING_ATTRIBUTES_CONFIG_TYPES is before_types and qauto.AutoRoundConfig is before_ar
     assert "modelopt" not in qauto.AUTO_QUANTIZER_MAPPING
+    assert PreTrainedModel.resize_token_embeddings is before_resize and modeling_utils.get_hf_quantizer is before_ghq
 
 
 def test_enabled_context_manager():

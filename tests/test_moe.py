@@ -1,0 +1,443 @@
+"""MoE models end to end (hf_w4.moe): transformers 5 fuses a layer's experts into one module with 3-D parameters,
+the producers store one quantized Linear per expert projection. Tiny seeded Qwen3-MoE and Mixtral models, written
+per expert by hf_w4.writers, load into ``UnfusedExperts`` of QuantLinears, match the writer's dense twin and, as an
+independent check of the routing forward, transformers' own fused experts holding the same dense weights; they save
+back bit-exact, generate, dequantize; the writer leaves its source fused; broken checkpoints are errors naming the
+module."""
+import copy
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+import hf_w4
+from hf_w4 import moe, writers
+from hf_w4.checkpoint import CheckpointError
+from hf_w4.nn import QuantLinear
+
+VOCAB = 128
+ARCHS = {
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[], decoder_sparse_step=1, tie_word_embeddings=False)),
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+}
+NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}   # (gate, up, down)
+E, LAYERS = 4, 2
+QWEN_FORMATS = ["gptq", "awq", "autoround", "ct-w4a16", "ct-nvfp4", "modelopt-nvfp4", "modelopt-w4a16"]
+GROUPED = {"gptq", "awq", "autoround", "ct-w4a16"}    # formats that take a group_size (NVFP4: always 16)
+# the tensor holding the packed weight, per format (ModelOpt's is a uint8 'weight')
+PACKED = {"gptq": "qweight", "awq": "qweight", "autoround": "qweight", "ct-w4a16": "weight_packed",
+          "ct-nvfp4": "weight_packed", "modelopt-nvfp4": "weight", "modelopt-w4a16": "weight"}
+CASES = [("qwen3_moe", f) for f in QWEN_FORMATS] + [("mixtral", f) for f in ("gptq", "ct-w4a16", "modelopt-nvfp4")]
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _tokens(batch=2, seq=12):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, x=None):
+    with torch.no_grad():
+        return model(_tokens() if x is None else x).logits
+
+
+def make_moe(arch: str, seed: int = 0):
+    """A seeded random tiny MoE causal LM in fp32 (weights ~0.05 randn, so the logits are not tiny)."""
+    cls, cfg_cls, kw = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _opts(fmt, **kw):
+    return {**({"group_size": 32} if fmt in GROUPED else {}), **kw}
+
+
+@pytest.fixture(scope="module")
+def sources():
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = make_moe(arch)
+        return cache[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, sources):
+    """(arch, fmt, **writer options) -> WriteResult, each written once per module."""
+    cache = {}
+
+    def get(arch, fmt, **opts):
+        opts = _opts(fmt, **opts)
+        key = (arch, fmt, json.dumps(opts, sort_keys=True))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{fmt}")
+            cache[key] = writers.write_checkpoint(sources(arch), str(out / "ckpt"), fmt, **opts)
+        return cache[key]
+    return get
+
+
+def _experts(model):
+    return [layer.mlp.experts for layer in model.model.layers]
+
+
+def fused_reference(arch, res):
+    """A fresh instance of the original class (fused experts, transformers' own forward) holding the writer's dense
+    weights: every expert's gate rows then up rows stacked into gate_up_proj, its down into down_proj."""
+    cls, cfg_cls, kw = ARCHS[arch]
+    torch.manual_seed(123)
+    ref = cls(cfg_cls(**kw)).float().eval()
+    gate, up, down = NAMES[arch]
+    assert moe.projection_names(ref) == NAMES[arch]
+    sd = res.dense_state_dict()
+    per_expert = re.compile(r".*\.experts\.\d+\.\w+\.weight$")
+    new = {k: v for k, v in sd.items() if not per_expert.match(k)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}.mlp.experts"
+        new[f"{p}.gate_up_proj"] = torch.stack([torch.cat([sd[f"{p}.{e}.{gate}.weight"], sd[f"{p}.{e}.{up}.weight"]])
+                                                for e in range(E)])
+        new[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.{down}.weight"] for e in range(E)])
+    ref.load_state_dict(new, strict=True)
+    assert all(type(m) is type(_experts(ref)[0]) and moe.is_fused_experts(m) for m in _experts(ref))
+    return ref
+
+
+def _keys(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _rewrite(src, dst, edit_tensors=None, edit_config=None):
+    shutil.copytree(src, dst)
+    if edit_tensors is not None:
+        sd = edit_tensors(_keys(src))
+        save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    if edit_config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return str(dst)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. every format loads per expert, matches the dense twin and transformers' fused experts
+
+
+@pytest.mark.parametrize("arch,fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_loads_per_expert_and_matches_twin_and_fused_reference(written, arch, fmt):
+    res = written(arch, fmt)
+    gate, up, down = NAMES[arch]
+    keys = _keys(res.path)
+    for i in range(LAYERS):
+        for e in range(E):
+            for proj in NAMES[arch]:
+                k = f"model.layers.{i}.mlp.experts.{e}.{proj}.{PACKED[fmt]}"
+                assert k in keys, f"{fmt}: {k} missing from the checkpoint (experts must be stored per expert)"
+                assert keys[k].dtype in (torch.int32, torch.uint8), f"{k}: {keys[k].dtype} is not packed"
+    fused = [k for k in keys if "gate_up_proj" in k or re.search(r"experts\.(down_proj|gate_up_proj)$", k)]
+    assert not fused, f"{fmt}: fused expert tensors in a per-expert checkpoint: {fused[:3]}"
+
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    for i, ex in enumerate(_experts(model)):
+        assert isinstance(ex, moe.UnfusedExperts), f"layer {i}: mlp.experts is {type(ex).__name__}"
+        assert len(ex) == E and ex.names == NAMES[arch]
+        for e in range(E):
+            for proj in NAMES[arch]:
+                q = getattr(ex[e], proj)
+                assert isinstance(q, QuantLinear) and q.kernel is not None, \
+                    f"model.layers.{i}.mlp.experts.{e}.{proj}: {type(q).__name__}, kernel {getattr(q, 'kernel', None)}"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+
+    twin = res.dense_model().float().eval()
+    ref = fused_reference(arch, res)
+    x = _tokens()
+    got, want, fused_want = _logits(model, x), _logits(twin, x), _logits(ref, x)
+    rel = _rel(got, want)
+    assert rel <= 1e-5, f"{arch} {fmt}: fp32 logits differ from the dense twin by {rel:.2e} (budget 1e-5)"
+    rel = _rel(want, fused_want)
+    assert rel <= 1e-5, (f"{arch} {fmt}: the unfused twin differs from transformers' fused experts with the same "
+                         f"weights by {rel:.2e} (budget 1e-5)")
+    rel = _rel(got, fused_want)
+    assert rel <= 1e-5, f"{arch} {fmt}: quantized model vs fused reference {rel:.2e} (budget 1e-5)"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. save_pretrained writes the checkpoint back per expert, bit-identical
+
+
+def _assert_same_files(a_path, b_path):
+    a, b = _keys(a_path), _keys(b_path)
+    assert set(a) == set(b), f"only in the checkpoint: {sorted(set(a) - set(b))[:4]}; " \
+                             f"only in the saved one: {sorted(set(b) - set(a))[:4]}"
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("qwen3_moe", "modelopt-nvfp4"), ("qwen3_moe", "ct-w4a16"),
+                                      ("mixtral", "gptq")])
+def test_save_is_bit_identical_and_reloads(written, tmp_path, arch, fmt):
+    res = written(arch, fmt)
+    # bf16 as on disk, so the dense tensors round-trip too
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "re")
+    _assert_same_files(res.path, tmp_path / "re")
+    qa = json.load(open(os.path.join(res.path, "config.json")))["quantization_config"]
+    qb = json.load(open(tmp_path / "re" / "config.json"))["quantization_config"]
+    assert qa == qb
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "re", dtype=torch.bfloat16)
+    assert all(isinstance(ex, moe.UnfusedExperts) for ex in _experts(again))
+    x = _tokens()
+    assert torch.equal(_logits(model, x), _logits(again, x))
+
+
+def test_mixtral_block_sparse_moe_layout_loads_and_saves_back(written, tmp_path):
+    """Mixtral checkpoints on the Hub (and transformers' own save_pretrained of a dense Mixtral) name the MoE block
+    ``block_sparse_moe``: the model's renaming to ``mlp`` still applies, and the names are written back."""
+    res = written("mixtral", "gptq")
+    src = _rewrite(res.path, tmp_path / "bsm",
+                   lambda sd: {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in sd.items()})
+    assert any(".block_sparse_moe.experts.0.w1.qweight" in k for k in _keys(src))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert all(isinstance(ex, moe.UnfusedExperts) for ex in _experts(model))
+    rel = _rel(_logits(model), _logits(res.dense_model().float().eval()))
+    assert rel <= 1e-5, f"block_sparse_moe layout: logits off the twin by {rel:.2e} (budget 1e-5)"
+    model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "re")
+    _assert_same_files(src, tmp_path / "re")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3. experts the writer leaves dense
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("qwen3_moe", "ct-w4a16"), ("qwen3_moe", "modelopt-nvfp4"),
+                                      ("mixtral", "awq")])
+def test_dense_experts_load_per_expert(written, arch, fmt):
+    res = written(arch, fmt, ignore=["re:.*experts.*"])
+    assert not any(".experts." in n for n in res.quantized)
+    assert any(".experts.0." in n and r == "ignored" for n, r in res.skipped.items()), res.skipped
+    keys = _keys(res.path)
+    k = f"model.layers.0.mlp.experts.0.{NAMES[arch][0]}.weight"
+    assert k in keys and keys[k].dtype == torch.bfloat16, f"{k}: dense expert weight not stored per expert"
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    for i, ex in enumerate(_experts(model)):
+        assert isinstance(ex, moe.UnfusedExperts), f"layer {i}: mlp.experts is {type(ex).__name__}"
+        for e in range(E):
+            for proj in NAMES[arch]:
+                assert type(getattr(ex[e], proj)) is nn.Linear, f"layer {i} expert {e} {proj}"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    twin = res.dense_model().float().eval()
+    x = _tokens()
+    rel = _rel(_logits(model, x), _logits(twin, x))
+    assert rel <= 1e-5, f"{arch} {fmt} dense experts: logits off the twin by {rel:.2e} (budget 1e-5)"
+    rel = _rel(_logits(model, x), _logits(fused_reference(arch, res), x))
+    assert rel <= 1e-5, f"{arch} {fmt} dense experts: logits off the fused reference by {rel:.2e} (budget 1e-5)"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 4. generate and dequantize
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("mixtral", "modelopt-nvfp4")])
+def test_generate(written, arch, fmt):
+    res = written(arch, fmt)
+    x = _tokens(1, 6)
+    gen = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    bf16 = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    rel = _rel(_logits(bf16), _logits(res.dense_model().float().eval()))
+    assert rel <= 3e-2, f"{arch} {fmt}: bf16 logits off by {rel:.2e} relative (budget 3e-2, bf16 rounding)"
+    with torch.no_grad():
+        out = bf16.generate(x, **gen)
+    assert out.shape == (1, 6 + 5) and torch.equal(out[:, :6], x)
+    # greedy in fp32: the same tokens as transformers' fused experts with the same dense weights
+    fp32 = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    with torch.no_grad():
+        got = fp32.generate(x, **gen)
+        want = fused_reference(arch, res).generate(x, **gen)
+    assert torch.equal(got, want), f"{arch} {fmt}: greedy tokens {got.tolist()} vs fused reference {want.tolist()}"
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "awq"), ("mixtral", "modelopt-nvfp4")])
+def test_dequantize(written, arch, fmt):
+    res = written(arch, fmt)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    x = _tokens()
+    before = _logits(model, x)
+    model.dequantize()
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    for i, ex in enumerate(_experts(model)):
+        assert isinstance(ex, moe.UnfusedExperts)
+        for e in range(E):
+            for proj in NAMES[arch]:
+                name = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+                lin = getattr(ex[e], proj)
+                assert type(lin) is nn.Linear and lin.weight.dtype == torch.float32, name
+                assert torch.equal(lin.weight, res.dense_weights[name]), name
+    rel = _rel(_logits(model, x), before)
+    assert rel <= 1e-5, f"{arch} {fmt}: dequantize() moved the fp32 logits by {rel:.2e} (budget 1e-5)"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 5. the writer leaves its source fused and unchanged
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_writer_leaves_source_unchanged(tmp_path, arch):
+    src = make_moe(arch, seed=3)
+    fused_type = type(_experts(src)[0])
+    before = {k: v.detach().clone() for k, v in src.state_dict().items()}
+    params = {k: id(p) for k, p in src.named_parameters()}
+    logits = _logits(src)
+
+    def check(when):
+        for i, ex in enumerate(_experts(src)):
+            assert type(ex) is fused_type and moe.is_fused_experts(ex), \
+                f"{when}: layer {i} mlp.experts is {type(ex).__name__}, not {fused_type.__name__}"
+        assert not any(isinstance(m, (moe.UnfusedExperts, moe.Expert)) for m in src.modules()), when
+        sd = src.state_dict()
+        assert list(sd) == list(before), f"{when}: state_dict keys changed"
+        for k, v in before.items():
+            assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), f"{when}: {k} changed"
+        assert {k: id(p) for k, p in src.named_parameters()} == params, f"{when}: parameters replaced"
+        assert torch.equal(_logits(src), logits), when
+
+    res = writers.write_checkpoint(src, str(tmp_path / "gptq"), "gptq", group_size=32)
+    assert any(".experts.3." in n for n in res.quantized)
+    check("after a gptq write")
+    writers.write_checkpoint(src, str(tmp_path / "nvfp4"), "modelopt-nvfp4", ignore=["re:.*experts\\.0\\..*"])
+    check("after a modelopt-nvfp4 write with experts.0 ignored")
+    with pytest.raises(writers.WriterError, match="match no Linear"):
+        writers.write_checkpoint(src, str(tmp_path / "bad"), "gptq", ignore=["no_such_proj"])
+    check("after a failed write")
+    assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 6. errors name the module and what was found
+
+
+def test_expert_number_beyond_num_experts_is_an_error(written, tmp_path):
+    res = written("qwen3_moe", "gptq")
+    bad = _rewrite(res.path, tmp_path / "few", edit_config=lambda c: c.update(num_experts=2))
+    with pytest.raises(CheckpointError) as ei:
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.experts" in msg and "expert number" in msg and "[2, 3]" in msg, msg
+    assert "2 experts" in msg, msg
+
+
+def test_unknown_projection_name_is_an_error(written, tmp_path):
+    res = written("qwen3_moe", "gptq")
+    bad = _rewrite(res.path, tmp_path / "names", edit_tensors=lambda sd: {
+        k.replace("experts.1.up_proj.", "experts.1.upper_proj."): v for k, v in sd.items()})
+    with pytest.raises(CheckpointError) as ei:
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.experts" in msg and "upper_proj" in msg and "up_proj" in msg, msg
+
+
+def _own_gate(self, gate_up_out):   # the default math under another name: a gate hf_w4 does not know
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
+
+
+def test_own_gate_function_with_quantized_experts_is_an_error(written, monkeypatch):
+    res = written("qwen3_moe", "gptq")
+    monkeypatch.setattr(Qwen3MoeExperts, "_apply_gate", _own_gate, raising=False)
+    with pytest.raises(CheckpointError) as ei:
+        AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert isinstance(ei.value, ValueError)
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.experts (Qwen3MoeExperts)" in msg and "own gate function" in msg, msg
+    assert "model.layers.0.mlp.experts.0.down_proj" in msg, msg    # an example of what was found
+
+
+def test_own_gate_function_with_dense_experts_stays_fused(written, monkeypatch):
+    """Dense per-expert tensors of an experts module hf_w4 cannot unfuse are left to transformers' own merge."""
+    res = written("qwen3_moe", "gptq", ignore=["re:.*experts.*"])
+    ref = fused_reference("qwen3_moe", res)
+    monkeypatch.setattr(Qwen3MoeExperts, "_apply_gate", _own_gate, raising=False)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert all(type(ex) is Qwen3MoeExperts for ex in _experts(model))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    rel = _rel(_logits(model), _logits(ref))
+    assert rel <= 1e-5, f"fused experts merged by transformers: logits off the reference by {rel:.2e} (budget 1e-5)"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 7. drop_expert_merges drops the merges into experts and nothing else
+
+
+def _meta(cls, cfg):
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def _is_expert_merge(c):
+    from transformers.core_model_loading import WeightConverter
+    targets = getattr(c, "_original_target_patterns", None) or c.target_patterns
+    return isinstance(c, WeightConverter) and any(re.search(r"experts\.(gate_up_proj|down_proj)\$?$", str(t))
+                                                  for t in targets)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_drop_expert_merges_keeps_other_conversions(arch, monkeypatch):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+    cls, cfg_cls, kw = ARCHS[arch]
+    model = _meta(cls, cfg_cls(**kw))
+    conv = get_model_conversion_mapping(model)
+    merges = [c for c in conv if _is_expert_merge(c)]
+    assert len(merges) == 2, conv
+    others = [c for c in conv if not _is_expert_merge(c)]
+    kept = moe.drop_expert_merges(conv, model)
+    assert [id(c) for c in kept] == [id(c) for c in others], f"kept {kept}, expected {others}"
+    if arch == "mixtral":
+        assert any(isinstance(c, WeightRenaming) and ".block_sparse_moe." in [str(s) for s in c.source_patterns]
+                   for c in kept), kept
+    # the same once the experts are unfused (as at load)
+    moe.unfuse_all(model)
+    assert all(isinstance(ex, moe.UnfusedExperts) for ex in _experts(model))
+    assert [id(c) for c in moe.drop_expert_merges(conv, model)] == [id(c) for c in others]
+    # experts hf_w4 cannot unfuse keep their merges; a model without experts keeps everything
+    if arch == "qwen3_moe":
+        monkeypatch.setattr(Qwen3MoeExperts, "_apply_gate", _own_gate, raising=False)
+        fused = _meta(cls, cfg_cls(**kw))
+        assert [id(c) for c in moe.drop_expert_merges(conv, fused)] == [id(c) for c in conv]
+    llama = _meta(LlamaForCausalLM, LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    assert [id(c) for c in moe.drop_expert_merges(conv, llama)] == [id(c) for c in conv]
