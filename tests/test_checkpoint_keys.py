@@ -11,7 +11,7 @@ from transformers import (AutoModelForCausalLM, CLIPVisionConfig, LlamaConfig, L
                           LlavaForConditionalGeneration, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import hf_w4
-from hf_w4 import layouts, writers
+from hf_w4 import layouts, moe, writers
 from hf_w4.checkpoint import CheckpointError
 from hf_w4.formats.spec import W4Spec
 
@@ -96,9 +96,10 @@ def test_key_mapping(tmp_path, tiny_llama):
     assert torch.equal(logits(m), logits(load(src)))
 
 
-def test_fused_moe_experts_are_an_error(tmp_path):
-    # GPTQ / auto-round write one quantized Linear per expert; transformers 5 fuses the experts into one module
-    # with 3-D parameters, which nothing would load them into
+def test_hand_written_per_expert_checkpoint_loads(tmp_path):
+    # GPTQ / auto-round write one quantized Linear per expert; transformers 5 fuses the experts into one module with
+    # 3-D parameters: hf_w4.moe unfuses it. The per-expert tensors here are packed by hand (not by the writer's MoE
+    # path), each projection must dequantize to exactly its RTN weight
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                          num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
@@ -107,6 +108,7 @@ def test_fused_moe_experts_are_an_error(tmp_path):
     src = writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
     spec = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
     experts = model.model.layers[0].mlp.experts
+    dense = {}
 
     def per_expert(sd):
         sd = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
@@ -115,16 +117,38 @@ def test_fused_moe_experts_are_an_error(tmp_path):
             gate, up = experts.gate_up_proj[e].detach().chunk(2, dim=0)
             for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", experts.down_proj[e].detach())):
                 r = writers.quantize_rtn(w.float(), "int4", 128, True)
+                dense[(e, proj)] = r.dense()
                 for t, x in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
                     sd[f"{p}.{e}.{proj}.{t}"] = x.contiguous()
         return sd
-    bad = rewrite(src, tmp_path / "moe", per_expert)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj .*and 9 more.*"
-                                              r"fused MoE expert modules like Qwen3MoeExperts are not supported"):
+    m = AutoModelForCausalLM.from_pretrained(rewrite(src, tmp_path / "moe", per_expert), dtype=torch.float32)
+    unfused = m.model.layers[0].mlp.experts
+    assert isinstance(unfused, moe.UnfusedExperts) and len(unfused) == cfg.num_experts
+    for (e, proj), w in dense.items():
+        assert torch.equal(getattr(unfused[e], proj).dequantize_weight(), w), (e, proj)
+
+
+def test_quantized_tensors_under_a_module_that_is_no_linear_are_an_error(tmp_path):
+    # e.g. a router quantized by the producer (an nn.Linear before transformers 5, a TopKRouter module with a
+    # 'weight' parameter now): nothing would load them, the router's own weight would stay random
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=32,
+                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    src = writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
+    spec = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
+
+    def quantized_router(sd):
+        w = sd.pop("model.layers.0.mlp.gate.weight").float()
+        r = writers.quantize_rtn(w, "int4", 128, True)
+        for t, x in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+            sd[f"model.layers.0.mlp.gate.{t}"] = x.contiguous()
+        return sd
+    bad = rewrite(src, tmp_path / "router", quantized_router)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate \(qweight, qzeros, scales\).*"
+                                              r"Qwen3MoeTopKRouter modules are not supported"):
         AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
-    # the same model with its experts dense (only the attention quantized) loads them
-    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    assert torch.equal(m.model.layers[0].mlp.experts.down_proj, experts.down_proj.detach().bfloat16().float())
 
 
 def test_kv_cache_scales_are_not_an_error(tmp_path, tiny_llama):
