@@ -4,6 +4,7 @@
     python -m hf_w4.bench --quick              # fewer shapes / M, shorter timings
     python -m hf_w4.bench --shapes 4096x4096 --m 1,4 --contenders bf16,ours_int4
     python -m hf_w4.bench --model              # whole-model greedy decode tokens/s (Llama-shaped, random)
+    python -m hf_w4.bench --model-only --moe   # the same on a Qwen3-MoE-shaped model, loaded from checkpoints
 
 Method: 2 threads (torch.set_num_threads), cold weights (each contender rotates over enough weight copies to
 exceed --cold-mib, default max(96 MiB, 2 x this CPU's L3)), per (shape, M, contender) the median of >= --min-runs calls
@@ -300,7 +301,12 @@ def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=pri
                         setattr(parent, nm, _W4Linear(mod, group_size, nvfp4))
         return q
 
-    models = {"bf16": model, "ours_int4": quantized(False), "ours_nvfp4": quantized(True)}
+    return _decode_rates({"bf16": model, "ours_int4": quantized(False), "ours_nvfp4": quantized(True)}, ids, tokens,
+                         rounds, log)
+
+
+def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log) -> dict:
+    """Median greedy-decode tokens/s of each model (``bf16`` first: the others' ratios are to it)."""
     runs = {k: [] for k in models}
     with torch.inference_mode():
         for mdl in models.values():   # warm-up
@@ -314,9 +320,37 @@ def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=pri
                 runs[k].append(tokens / (time.perf_counter() - t0))
     out = {k: statistics.median(v) for k, v in runs.items()}
     log(f"  dense bf16: {out['bf16']:.2f} tok/s")
-    for k in ("ours_int4", "ours_nvfp4"):
+    for k in [k for k in out if k != "bf16"]:
         log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16)")
     return out
+
+
+MOE_SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts_per_tok=8, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128)   # Qwen3-30B-A3B's layer widths
+
+
+def bench_moe(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, experts=32, log=print):
+    """Greedy decode of a Qwen3-MoE-shaped model (random bf16 weights) against the same model loaded through the
+    real path: written as GPTQ int4 and ModelOpt NVFP4 checkpoints (one Linear per expert, as the producers
+    write), loaded with from_pretrained (experts unfused by hf_w4.moe, each projection a QuantLinear)."""
+    import tempfile
+
+    import transformers
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from . import integration, writers
+    transformers.logging.set_verbosity_error()
+    cfg = Qwen3MoeConfig(**MOE_SHAPE, num_experts=experts, num_hidden_layers=layers, vocab_size=2048,
+                         intermediate_size=6144, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt))
+    models = {"bf16": model}
+    with tempfile.TemporaryDirectory() as d, integration.enabled():
+        for name, fmt in (("ours_int4", "gptq"), ("ours_nvfp4", "modelopt-nvfp4")):
+            res = writers.write_checkpoint(model, f"{d}/{fmt}", fmt, group_size=group_size)
+            models[name] = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16).eval()
+    return _decode_rates(models, ids, tokens, rounds, log)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -359,11 +393,16 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m hf_w4.bench", 
     ap.add_argument("--quick", action="store_true", help="4096x4096 and 2048x2048, M=1,16,256, short timings")
     ap.add_argument("--model", action="store_true", help="also run the whole-model decode benchmark")
     ap.add_argument("--model-only", action="store_true")
+    ap.add_argument("--moe", action="store_true",
+                    help="the whole-model benchmark on a Qwen3-MoE-shaped model (loaded from written checkpoints) instead of the Llama-shaped one")
+    ap.add_argument("--experts", type=int, default=32, help="experts per layer for --moe (top-8 routed)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--model-rounds", type=int, default=5)
     ap.add_argument("--no-boost", action="store_true", help="do not try nice -20 on this process group")
     a = ap.parse_args(argv)
+    if a.moe and a.experts < 8:
+        ap.error(f"--experts {a.experts}: the MoE model routes each token to 8 experts; give at least 8")
     if a.group_size < 1 or a.threads < 1:
         ap.error(f"--group-size {a.group_size} / --threads {a.threads}: must be >= 1")
     shapes = SHAPES if not a.shapes else [_shape(ap, s, a.group_size) for s in a.shapes.split(",")]
@@ -404,10 +443,15 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m hf_w4.bench", 
             from .bench_int8 import table as int8_table
             print()
             print(int8_table(res, shapes, ms, names))
-    if a.model or a.model_only:
+    if (a.model or a.model_only) and not a.moe:
         print(f"\nwhole-model greedy decode (Llama-shaped, hidden 4096, {a.layers} layers, random bf16 weights, "
               f"{a.tokens} new tokens, median of {a.model_rounds} interleaved rounds):")
         bench_model(a.layers, a.tokens, group_size=a.group_size, rounds=a.model_rounds)
+    if a.moe:
+        print(f"\nwhole-model greedy decode (Qwen3-MoE-shaped: hidden 2048, {a.experts} experts of 768, top-8, "
+              f"{a.layers} layers, random bf16 weights, {a.tokens} new tokens, median of {a.model_rounds} interleaved "
+              "rounds; quantized models written as gptq / modelopt-nvfp4 and loaded with from_pretrained):")
+        bench_moe(a.layers, a.tokens, group_size=a.group_size, rounds=a.model_rounds, experts=a.experts)
     return 0
 
 
