@@ -15,9 +15,11 @@ Refused with an error saying why, before anything changes: merging into the pack
 re-quantized: load the base with ``dequantize=True`` to merge; after ``model.dequantize()`` merging works),
 LoRA variants (DoRA, aLoRA, ...), initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA)
 and ``modules_to_save`` on a quantized module. The wrapper class is ``hf_w4._lora_layer.QuantLoraLinear``.
+MoE models whose experts hf_w4 unfused (:mod:`hf_w4.moe`) keep LoRA targets on the per-expert projections: PEFT's
+retargeting of them to transformers 5's fused expert parameters is skipped for such models (``_patch_moe_conversion``).
 Written against the PEFT internals of peft 0.21 (``LoraModel._create_new_module``, ``_replace_module``,
-``_check_merge_allowed``, ``_check_new_adapter_config``, ``tuners_utils._maybe_include_all_linear_layers``); where
-they are missing, a warning says so and PEFT is left alone.
+``_check_merge_allowed``, ``_check_new_adapter_config``, ``tuners_utils._maybe_include_all_linear_layers``,
+``utils.transformers_weight_conversion``); where they are missing, a warning says so and PEFT is left alone.
 """
 from __future__ import annotations
 
@@ -30,41 +32,46 @@ from .nn import QuantLinear
 
 logger = logging.getLogger("hf_w4")
 _TARGET = "peft.tuners.lora.model"
+_CONVERSION = "peft.utils.transformers_weight_conversion"   # imported by PEFT only when an adapter is injected
 PLAIN_INITS = (True, False, "gaussian")
 
 
 def enable() -> None:
     """Make PEFT's LoRA accept ``QuantLinear`` layers (now, or when PEFT is imported). Idempotent."""
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _patch(module)
-    elif not any(isinstance(f, _ImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ImportHook())
+    for name, patch in ((_TARGET, _patch), (_CONVERSION, _patch_moe_conversion)):
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        elif not any(isinstance(f, _ImportHook) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _ImportHook(name, patch))
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
-    """Patches ``peft.tuners.lora.model`` right after it is first executed, then removes itself."""
+    """Patches module ``name`` right after it is first executed, then removes itself."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
 
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, self.patch)
         return spec
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        _patch(module)
+        self.patch(module)
 
 
 def _patch(module) -> None:
@@ -142,6 +149,30 @@ def _patch(module) -> None:
     model_cls._check_merge_allowed = _check_merge_allowed
     model_cls._check_new_adapter_config = _check_new_adapter_config
     model_cls._hf_w4_patched = True
+
+
+def _patch_moe_conversion(conv) -> None:
+    """PEFT (and transformers' ``load_adapter``) retarget a MoE model's ``gate_proj`` / ``up_proj`` / ``down_proj``
+    (Mixtral's ``w1`` / ``w3`` / ``w2``) LoRA to the fused ``gate_up_proj`` / ``down_proj`` parameters of
+    transformers 5, and merge per-expert adapter weights into them, by model type alone. In a model with
+    :class:`~hf_w4.moe.UnfusedExperts` the experts keep their per-expert Linears: the targets keep their names and
+    the adapter weights load per expert."""
+    from . import moe
+    if getattr(conv, "_hf_w4_patched", False):
+        return
+    import transformers.integrations.peft as tpeft
+    for mod in (conv, tpeft):
+        f = getattr(mod, "get_model_conversion_mapping", None)
+        if f is not None and not hasattr(f, "_hf_w4_wraps"):
+            mod.get_model_conversion_mapping = moe.without_unfused_merges(f)
+    convert_moe = getattr(conv, "_convert_peft_config_moe", None)
+    if convert_moe is not None:
+        def _convert_peft_config_moe(peft_config, model):
+            if moe.has_unfused(model):
+                return None
+            return convert_moe(peft_config, model)
+        conv._convert_peft_config_moe = _convert_peft_config_moe
+    conv._hf_w4_patched = True
 
 
 def base_of(module):

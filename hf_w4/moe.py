@@ -236,15 +236,20 @@ def expert_targets(path: str) -> List[str]:
     return [f"{path}.{p}" for p in FUSED]
 
 
-def drop_expert_merges(conversions: list, model: nn.Module) -> list:
+def has_unfused(model: nn.Module) -> bool:
+    return any(isinstance(m, UnfusedExperts) for m in model.modules())
+
+
+def drop_expert_merges(conversions: list, model: nn.Module, fusable: bool = True) -> list:
     """The model's conversions without those that merge per-expert tensors into an experts module hf_w4 runs
-    per expert (an :class:`UnfusedExperts`, or a fused one it can unfuse): those tensors load as stored."""
+    per expert (an :class:`UnfusedExperts`, or with ``fusable`` a fused one it can unfuse): those tensors load as
+    stored."""
     try:
         from transformers.core_model_loading import WeightConverter
     except ImportError:
         return conversions
     targets = [t for n, m in model.named_modules()
-               if isinstance(m, UnfusedExperts) or (is_fused_experts(m) and fused_problem(m) is None)
+               if isinstance(m, UnfusedExperts) or (fusable and is_fused_experts(m) and fused_problem(m) is None)
                for t in expert_targets(n)]
     if not targets:
         return conversions
@@ -299,3 +304,13 @@ def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
         _set(model, path, unfuse(m, names))
         done.append(path)
     return done
+
+
+def without_unfused_merges(get_mapping):
+    """``get_model_conversion_mapping`` that leaves out the merges into a model's :class:`UnfusedExperts` (for
+    PEFT / transformers' adapter loading, which call it without the model's quantizer)."""
+    def get_model_conversion_mapping(model, *args, **kwargs):
+        out = get_mapping(model, *args, **kwargs)
+        return drop_expert_merges(out, model, fusable=False) if has_unfused(model) else out
+    get_model_conversion_mapping._hf_w4_wraps = get_mapping
+    return get_model_conversion_mapping

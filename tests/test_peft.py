@@ -157,6 +157,10 @@ from peft.tuners.lora.model import LoraModel
 assert LoraModel._hf_w4_patched
 m = get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"]))
 assert type(m.base_model.model[0]) is Linear, type(m.base_model.model[0])
+from peft.utils import transformers_weight_conversion as conv   # MoE retargeting: skipped for unfused experts
+import transformers.integrations.peft as tpeft
+assert conv._hf_w4_patched and hasattr(conv.get_model_conversion_mapping, "_hf_w4_wraps")
+assert hasattr(tpeft.get_model_conversion_mapping, "_hf_w4_wraps")
 print("ok", first)
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
