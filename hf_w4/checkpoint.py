@@ -116,7 +116,7 @@ def module_tensors(headers: Dict[str, TensorInfo], module: str) -> Dict[str, Ten
 
 
 def loading_names(headers: Dict[str, TensorInfo], model: nn.Module, key_mapping: Optional[dict] = None,
-                  hf_quantizer=None) -> Dict[str, TensorInfo]:
+                  hf_quantizer=None, stored: Optional[Dict[str, str]] = None) -> Dict[str, TensorInfo]:
     """``headers`` keyed by the names transformers will load each tensor as.
 
     transformers renames checkpoint keys while loading (a model's legacy layouts, e.g. Llava's
@@ -124,7 +124,8 @@ def loading_names(headers: Dict[str, TensorInfo], model: nn.Module, key_mapping:
     stripped base-model prefix), but only after the quantizer has swapped the modules, so the header names are
     renamed here the same way, with transformers' own functions. Where those are missing (another transformers
     version) the names stay as stored, and ``replace_linear`` leaves the modules it cannot find to the post-load
-    guard. transformers 5.23 does not pass ``key_mapping`` to quantizers: the same holds for it.
+    guard. transformers 5.23 does not pass ``key_mapping`` to quantizers: the same holds for it. ``stored``, if
+    given, gets each renamed module's name on disk (loading name -> stored name, for renamed modules only).
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -156,6 +157,8 @@ def loading_names(headers: Dict[str, TensorInfo], model: nn.Module, key_mapping:
         if new.rpartition(".")[0] not in modules and key.rpartition(".")[0] in modules:
             new = with_prefix(key)  # as transformers does: a name the model has is not renamed away
         out[new] = info
+        if stored is not None and new != key:
+            stored[new.rpartition(".")[0]] = key.rpartition(".")[0]
     return out
 
 

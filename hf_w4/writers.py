@@ -561,6 +561,8 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     # ---------------------------------------------------------------- files (atomically)
     _check_target(out, side)   # again: the directory may have changed while the model was quantized
     out.parent.mkdir(parents=True, exist_ok=True)
+    disk = _disk_name(model)   # the layout transformers' save_pretrained writes (e.g. Mixtral's block_sparse_moe)
+    tensors = {disk(k): v for k, v in tensors.items()}
     with _SigtermCleanup() as term:
         _write_files(out, term, tensors, cfg, qcfg, fmt, hf_quant_config_only, src_dir, model)
 
@@ -568,6 +570,21 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     return WriteResult(path=str(out), fmt=fmt, quantized=list(rtn),
                        skipped={p.name: p.reason for p in plans.values() if p.spec is None and p.reason},
                        quantization_config=qcfg, _rtn=rtn, _other=other, _model_cls=type(model), _config=twin_cfg)
+
+
+def _disk_name(model: nn.Module):
+    """key -> the name transformers' ``save_pretrained`` stores it under: the model's renamings reversed, as it saves
+    (Mixtral's ``mlp`` -> ``block_sparse_moe``, Llava's ``model.language_model`` -> ``language_model.model``). The
+    quantization config keeps the model's module names, as a producer running on transformers 5 writes them (the
+    loader matches a config against both)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+        renamings = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
+                     if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):
+        return lambda k: k
+    return (lambda k: apply_renamings(k, renamings)) if renamings else (lambda k: k)
 
 
 def _write_files(out: Path, term: "_SigtermCleanup", tensors, cfg, qcfg, fmt, hf_quant_config_only, src_dir,

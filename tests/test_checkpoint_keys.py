@@ -84,6 +84,43 @@ def test_keys_transformers_renames(tmp_path):
     assert torch.equal(logits(m), logits(load(src)))
 
 
+@pytest.mark.parametrize("fmt", ["autoround", "ct-w4a16"])
+def test_config_naming_modules_as_stored_on_disk(tmp_path, fmt):
+    # transformers 5 saves Llava under its old names (language_model.model.*), as producers on transformers 4 also
+    # named the modules in their configs; producers on transformers 5 name them as the model does. Both load.
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=32, patch_size=16),
+                      text_config=LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+                      image_token_index=500)
+    torch.manual_seed(0)
+    src = writers.write_checkpoint(LlavaForConditionalGeneration(cfg).eval(), str(tmp_path / "new"), fmt,
+                                   block_name_to_quantize="model.language_model.layers",
+                                   ignore=["model.language_model.layers.0.mlp.down_proj"] + (
+                                       ["re:model[.](vision_tower|multi_modal_projector)[.].*"] if fmt == "ct-w4a16"
+                                       else [])).path
+    keys = load_file(os.path.join(src, "model.safetensors"))
+    assert "language_model.model.layers.0.self_attn.q_proj.qweight" in keys or \
+        "language_model.model.layers.0.self_attn.q_proj.weight_packed" in keys
+    assert keys["language_model.model.layers.0.mlp.down_proj.weight"].is_floating_point()
+    old = str(tmp_path / "old")
+    shutil.copytree(src, old)
+    with open(os.path.join(old, "config.json")) as f:
+        text = f.read()
+    assert "model.language_model.layers" in text
+    with open(os.path.join(old, "config.json"), "w") as f:
+        # the language model's names as on disk; the vision tower's stay as the model names them (on disk:
+        # vision_tower.vision_model.*): a config may mix both
+        f.write(text.replace("model.language_model.layers", "language_model.model.layers"))
+    load = lambda p: LlavaForConditionalGeneration.from_pretrained(p, dtype=torch.float32)
+    for path in (src, old):
+        m = load(path)
+        lm = m.model.language_model.layers[0]
+        assert type(lm.self_attn.q_proj).__name__ == "QuantLinear", path
+        assert type(lm.mlp.down_proj) is torch.nn.Linear, path
+    assert torch.equal(logits(load(old)), logits(load(src)))
+
+
 def test_key_mapping(tmp_path, tiny_llama):
     # from_pretrained(key_mapping=...) renames keys too; transformers 5.23 does not pass it to quantizers, so the
     # header check leaves the modules it cannot find under their own names to the post-load guard

@@ -34,6 +34,11 @@ ARCHS = {
         num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
 }
 NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}   # (gate, up, down)
+
+
+def _disk(arch: str, key: str) -> str:
+    """A model key as stored (transformers saves Mixtral's mlp as block_sparse_moe, and so does the writer)."""
+    return key.replace(".mlp.", ".block_sparse_moe.") if arch == "mixtral" else key
 E, LAYERS = 4, 2
 QWEN_FORMATS = ["gptq", "awq", "autoround", "ct-w4a16", "ct-nvfp4", "modelopt-nvfp4", "modelopt-w4a16"]
 GROUPED = {"gptq", "awq", "autoround", "ct-w4a16"}    # formats that take a group_size (NVFP4: always 16)
@@ -162,7 +167,7 @@ def test_loads_per_expert_and_matches_twin_and_fused_reference(written, arch, fm
     for i in range(LAYERS):
         for e in range(E):
             for proj in NAMES[arch]:
-                k = f"model.layers.{i}.mlp.experts.{e}.{proj}.{PACKED[fmt]}"
+                k = _disk(arch, f"model.layers.{i}.mlp.experts.{e}.{proj}.{PACKED[fmt]}")
                 assert k in keys, f"{fmt}: {k} missing from the checkpoint (experts must be stored per expert)"
                 assert keys[k].dtype in (torch.int32, torch.uint8), f"{k}: {keys[k].dtype} is not packed"
     fused = [k for k in keys if "gate_up_proj" in k or re.search(r"experts\.(down_proj|gate_up_proj)$", k)]
@@ -281,16 +286,20 @@ def test_save_is_bit_identical_and_reloads(written, tmp_path, arch, fmt, ignore)
 
 
 def test_mixtral_block_sparse_moe_layout_loads_and_saves_back(written, tmp_path):
-    """Mixtral checkpoints on the Hub (and transformers' own save_pretrained of a dense Mixtral) name the MoE block
-    ``block_sparse_moe``: the model's renaming to ``mlp`` still applies, and the names are written back."""
+    """Mixtral checkpoints on the Hub (and transformers' own save_pretrained of a dense Mixtral, and the writer) name
+    the MoE block ``block_sparse_moe``: the model's renaming to ``mlp`` still applies, and the names are written back.
+    A file under the model's own names (``mlp``) loads too."""
     res = written("mixtral", "gptq")
-    src = _rewrite(res.path, tmp_path / "bsm",
-                   lambda sd: {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in sd.items()})
+    src = res.path
     assert any(".block_sparse_moe.experts.0.w1.qweight" in k for k in _keys(src))
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    assert all(isinstance(ex, moe.UnfusedExperts) for ex in _experts(model))
-    rel = _rel(_logits(model), _logits(res.dense_model().float().eval()))
-    assert rel <= 1e-5, f"block_sparse_moe layout: logits off the twin by {rel:.2e} (budget 1e-5)"
+    assert not any(".mlp." in k for k in _keys(src))
+    mlp = _rewrite(res.path, tmp_path / "mlp",
+                   lambda sd: {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in sd.items()})
+    for path in (src, mlp):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert all(isinstance(ex, moe.UnfusedExperts) for ex in _experts(model))
+        rel = _rel(_logits(model), _logits(res.dense_model().float().eval()))
+        assert rel <= 1e-5, f"{path}: logits off the twin by {rel:.2e} (budget 1e-5)"
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)   # as on disk: a bit-exact round trip
     model.save_pretrained(tmp_path / "re")
     _assert_same_files(src, tmp_path / "re")
@@ -322,7 +331,8 @@ def test_dense_experts_load_per_expert(written, arch, fmt, ignore):
     assert dense == want_dense, f"the writer left {sorted(dense)} dense"
     keys = _keys(res.path)
     for name in dense:
-        assert keys[name + ".weight"].dtype == torch.bfloat16, f"{name}: dense expert weight not stored per expert"
+        assert keys[_disk(arch, name + ".weight")].dtype == torch.bfloat16, \
+            f"{name}: dense expert weight not stored per expert"
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
     for i, ex in enumerate(_experts(model)):
         assert isinstance(ex, moe.UnfusedExperts), f"layer {i}: mlp.experts is {type(ex).__name__}"

@@ -26,12 +26,32 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _spec_for(fmt: formats.FormatConfig, name: str, cls: str, stored_name: Optional[str],
+              stored: Optional[Dict[str, checkpoint.TensorInfo]]):
+    """The config's spec for module ``name``. Where transformers renames the module (``stored_name``: its name on
+    disk), the config may name it either way: producers that ran on transformers 4 wrote the names on disk, those on
+    transformers 5 the model's (and transformers 5 saves under the old names). Where the two readings disagree, the
+    one the files bear out wins: quantized tensors stored -> the quantizing one, a dense weight -> the dense one."""
+    spec = fmt.spec_for(name, cls)
+    if not stored_name or stored_name == name:
+        return spec
+    other = fmt.spec_for(stored_name, cls)
+    if (spec is None) == (other is None):
+        return other if other is not None else spec
+    stored = stored or {}
+    w = stored.get("weight")
+    quantized = bool(set(stored) & checkpoint.QUANTIZED_WEIGHT_TENSORS) or (
+        w is not None and w.dtype is not None and not w.dtype.is_floating_point)
+    return (spec or other) if quantized else None
+
+
 def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optional[Dict[str, checkpoint.TensorInfo]],
-                   activation: Optional[str] = None, skip=()) -> int:
+                   activation: Optional[str] = None, skip=(), stored_names: Optional[Dict[str, str]] = None) -> int:
     """Swap every ``nn.Linear`` the config quantizes for a :class:`QuantLinear` declaring exactly the tensors
     the checkpoint holds. With ``headers`` (from the safetensors files), every mismatch between config and
     files is raised here, before any tensor is read. ``headers`` are keyed by the names transformers loads the
-    tensors as (:func:`checkpoint.loading_names`). Returns the number of modules replaced."""
+    tensors as (:func:`checkpoint.loading_names`; ``stored_names``: a renamed module's name on disk). Returns the
+    number of modules replaced."""
     count = 0
     modules = dict(model.named_modules())
     # header names outside the model: a renaming not known here (transformers 5.23 does not pass
@@ -44,7 +64,7 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
         stored = checkpoint.module_tensors(headers, name) if headers is not None else None
         if unsure and not stored:
             stored = None
-        spec = fmt.spec_for(name, type(mod).__name__)
+        spec = _spec_for(fmt, name, type(mod).__name__, (stored_names or {}).get(name), stored)
         if spec is not None and any(name == s or name.startswith(s + ".") for s in skip):
             spec = None
         if spec is None:
@@ -162,12 +182,14 @@ class HfW4Quantizer(HfQuantizer):
         headers = checkpoint.read_headers(checkpoint_files) if checkpoint_files else None
         if headers is not None:
             # transformers renames checkpoint keys only after this swap: match the names it will load them as
-            headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self)
+            stored_names: Dict[str, str] = {}
+            headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self, stored_names)
             # MoE experts stored one Linear per expert: unfused, so each projection is a Linear swapped below
             moe.unfuse_for_checkpoint(model, headers)
         skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
         act = ACTIVATION_MODES[self.options["activation"]]
-        n = replace_linear(model, self.format, headers, activation=act, skip=skip)
+        n = replace_linear(model, self.format, headers, activation=act, skip=skip,
+                           stored_names=stored_names if headers is not None else None)
         if n == 0:
             logger.warning("hf_w4: the %s config quantizes no Linear module of this model", self.METHOD)
         lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
