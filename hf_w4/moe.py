@@ -197,11 +197,6 @@ def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
     return ((n, m) for n, m in model.named_modules() if is_fused_experts(m))
 
 
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
 @contextlib.contextmanager
 def unfused(model: nn.Module):
     """Within the block, every fused experts module of ``model`` that can be is an :class:`UnfusedExperts` over
@@ -211,12 +206,12 @@ def unfused(model: nn.Module):
     try:
         for path, m in list(fused_modules(model)):
             if fused_problem(m) is None:
-                _set(model, path, unfuse(m, names, share=True))
+                model.set_submodule(path, unfuse(m, names, share=True))
                 swapped.append((path, m))
         yield [p for p, _ in swapped]
     finally:
         for path, m in swapped:
-            _set(model, path, m)
+            model.set_submodule(path, m)
 
 
 def unfuse_all(model: nn.Module) -> List[str]:
@@ -226,7 +221,7 @@ def unfuse_all(model: nn.Module) -> List[str]:
     done = []
     for path, m in list(fused_modules(model)):
         if fused_problem(m) is None:
-            _set(model, path, unfuse(m, names))
+            model.set_submodule(path, unfuse(m, names))
             done.append(path)
     return done
 
@@ -301,7 +296,7 @@ def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
             raise CheckpointError(
                 f"{path} ({type(m).__name__}, {e} experts): the checkpoint stores {found} under it; this model's "
                 f"experts are {path}.0..{e - 1} with projections {list(names)}")
-        _set(model, path, unfuse(m, names))
+        model.set_submodule(path, unfuse(m, names))
         done.append(path)
     return done
 

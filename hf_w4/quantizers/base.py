@@ -21,11 +21,6 @@ from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
 logger = logging.getLogger("hf_w4")
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
 def _spec_for(fmt: formats.FormatConfig, name: str, cls: str, stored_name: Optional[str],
               stored: Optional[Dict[str, checkpoint.TensorInfo]]):
     """The config's spec for module ``name``. Where transformers renames the module (``stored_name``: its name on
@@ -117,7 +112,7 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
         bias_dtype = (stored["bias"].dtype if stored is not None and has_bias else
                       mod.bias.dtype if mod.bias is not None else None)
         ql = QuantLinear(spec, k, n, name, {t: (decls[t].shape, dtypes[t]) for t in decls}, bias_dtype=bias_dtype)
-        _set_module(model, name, ql)
+        model.set_submodule(name, ql)
         count += 1
     if headers is not None:
         checkpoint.check_unclaimed(headers, model)
@@ -249,7 +244,7 @@ class HfW4Quantizer(HfQuantizer):
                     lin.weight.copy_(w)
                     if m.bias is not None:
                         lin.bias.copy_(m.bias)
-                _set_module(model, name, lin)
+                model.set_submodule(name, lin)
         return model
 
 
