@@ -19,6 +19,7 @@ from torch import nn
 
 from . import layouts
 from .formats.spec import LAYOUTS, W4Spec
+from .nn import plain_linear
 
 logger = logging.getLogger("hf_w4")
 
@@ -202,7 +203,7 @@ def check_unclaimed(headers: Dict[str, TensorInfo], model: nn.Module) -> None:
         while owner and owner not in modules:
             owner = owner.rpartition(".")[0]
         m = modules.get(owner)
-        if not owner or isinstance(m, nn.Linear) or next(m.parameters(recurse=False), None) is None:
+        if not owner or plain_linear(m) or next(m.parameters(recurse=False), None) is None:
             continue
         found.setdefault(path, (owner, []))[1].append(t)
     if not found:

@@ -10,7 +10,8 @@ for this: if it is not imported yet, an import hook applies the change when PEFT
 
 What works: plain LoRA (any ``r`` / ``lora_alpha`` / dropout / ``lora_bias`` / rsLoRA, several adapters, mixed-adapter
 batches, Gaussian or default init, ``target_modules="all-linear"``), training (input gradients flow through the
-compiled ops), ``disable_adapter``, ``add_weighted_adapter``, saving and loading adapters, ``unload()``, pickling.
+compiled ops), ``disable_adapter``, ``add_weighted_adapter``, saving and loading adapters, ``unload()``, ``torch.save`` of the whole
+PEFT model (plain ``pickle`` of an NVFP4 model fails in torch itself: it cannot pickle float8 tensors).
 Refused with an error saying why, before anything changes: merging into the packed weight (it would have to be
 re-quantized: load the base with ``dequantize=True`` to merge; after ``model.dequantize()`` merging works),
 LoRA variants (DoRA, aLoRA, ...), initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA)

@@ -37,6 +37,14 @@ def is_fused_experts(m: nn.Module) -> bool:
 
 def fused_problem(m: nn.Module) -> Optional[str]:
     """Why hf_w4 cannot run this fused experts module per expert (None: it can)."""
+    if not hasattr(m, "is_concatenated"):
+        # not built through transformers' use_experts_implementation (e.g. Llama 4's experts): another forward
+        # signature and weight layout
+        return "it is not a standard transformers experts module (no use_experts_implementation)"
+    try:
+        dims(m)
+    except ValueError as e:
+        return str(e)
     if getattr(m, "has_gate", True) is False:
         return "it has no gate projection"
     if getattr(m, "is_concatenated", True) is False:
@@ -128,15 +136,15 @@ class UnfusedExperts(nn.Module):
         return out
 
 
-def projection_names(model: nn.Module) -> Tuple[str, str, str]:
-    """(gate, up, down) per-expert projection names the model's conversion mapping merges into its fused experts
-    (``gate_proj`` / ``up_proj`` / ``down_proj`` where the model has none, or transformers cannot say)."""
+def projection_names(model: nn.Module) -> Optional[Tuple[str, str, str]]:
+    """(gate, up, down) per-expert projection names the model's conversion mapping merges into its fused experts;
+    None where it has no such merge (its checkpoints store the experts fused, e.g. GraniteMoE, Qwen3-VL-MoE)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
         transforms = get_model_conversion_mapping(model, add_legacy=False)
-    except Exception:  # noqa: BLE001 - another transformers: the producers' usual names
-        return DEFAULT_NAMES
+    except Exception:  # noqa: BLE001 - another transformers: no merge known
+        return None
     found: Dict[str, List[str]] = {}
     for t in transforms:
         if not isinstance(t, WeightConverter):
@@ -151,7 +159,7 @@ def projection_names(model: nn.Module) -> Tuple[str, str, str]:
     gate_up, down = found.get("gate_up_proj", []), found.get("down_proj", [])
     if len(gate_up) == 2 and len(down) == 1:
         return gate_up[0], gate_up[1], down[0]
-    return DEFAULT_NAMES
+    return None
 
 
 def _linear(n_in: int, n_out: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -200,11 +208,12 @@ def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 @contextlib.contextmanager
 def unfused(model: nn.Module):
     """Within the block, every fused experts module of ``model`` that can be is an :class:`UnfusedExperts` over
-    views of its parameters (what a producer sees: one Linear per expert projection); restored on exit."""
+    views of its parameters (what a producer sees: one Linear per expert projection); restored on exit. Only for
+    models whose checkpoints store the experts per expert (a per-expert merge in the model's conversion mapping)."""
     names = projection_names(model)
     swapped = []
     try:
-        for path, m in list(fused_modules(model)):
+        for path, m in list(fused_modules(model)) if names else ():
             if fused_problem(m) is None:
                 model.set_submodule(path, unfuse(m, names, share=True))
                 swapped.append((path, m))
@@ -219,7 +228,7 @@ def unfuse_all(model: nn.Module) -> List[str]:
     paths."""
     names = projection_names(model)
     done = []
-    for path, m in list(fused_modules(model)):
+    for path, m in list(fused_modules(model)) if names else ():
         if fused_problem(m) is None:
             model.set_submodule(path, unfuse(m, names))
             done.append(path)
@@ -249,9 +258,12 @@ def drop_expert_merges(conversions: list, model: nn.Module, fusable: bool = True
     if not targets:
         return conversions
 
-    def merges_into_experts(c) -> bool:
+    def merges_into_experts(c) -> bool:   # per-expert sources (experts.*.x) into one of those modules' params
         if not isinstance(c, WeightConverter):
             return False
+        sources = getattr(c, "_original_source_patterns", None) or c.source_patterns
+        if not any(re.search(r"experts\.\*\.", str(x)) for x in sources):
+            return False   # e.g. Qwen3-VL-MoE's transpose of fused tensors
         pats = [str(x).lstrip("^").rstrip("$") for x in
                 (getattr(c, "_original_target_patterns", None) or c.target_patterns)]
         return any(re.search(r"experts\.(gate_up_proj|down_proj)$", p) and any(t.endswith(p.lstrip("."))
@@ -287,7 +299,9 @@ def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
                     f"a time: {problem}. Supported: experts with act_fn(gate) * up (Qwen2/3-MoE, Mixtral, OLMoE, "
                     "DeepSeek-V2/V3 and the like)")
             continue
-        names = names or projection_names(model)
+        # the model's per-expert merge names them; without one (its own checkpoints store the experts fused), the
+        # producers' usual names
+        names = names or projection_names(model) or DEFAULT_NAMES
         e = dims(m)[0]
         bad_names = sorted({k.split(".")[1] for k in stored} - set(names))
         bad_experts = sorted({int(k.split(".")[0]) for k in stored if int(k.split(".")[0]) >= e})

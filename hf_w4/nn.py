@@ -31,6 +31,12 @@ def keep_checkpoint_tensors() -> bool:
     return _ENV_BOOLS[v.strip().lower()]
 
 
+def plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` that computes a linear layer: a subclass with a forward of its own (PhiMoE's and Llama 4's
+    routers return routing tuples) is no layer to quantize or swap."""
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
 class QuantLinear(nn.Module):
     def __init__(self, spec: W4Spec, in_features: int, out_features: int, name: str,
                  tensors: Dict[str, Tuple[tuple, torch.dtype]], bias_dtype: Optional[torch.dtype] = None):

@@ -49,6 +49,7 @@ from torch import nn
 
 from . import layouts, moe
 from .formats.spec import W4Spec
+from .nn import plain_linear
 
 __all__ = ["FORMATS", "WriteResult", "RTNResult", "WriterError", "write_checkpoint", "quantize_rtn"]
 
@@ -478,7 +479,7 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
     # under the per-expert names the producers write (hf_w4.moe)
     with moe.unfused(model):
         ignore = tuple(ignore or ())
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        linears = [(n, m) for n, m in model.named_modules() if plain_linear(m)]
         names = [n for n, _ in linears]
         mods = dict(model.named_modules())
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

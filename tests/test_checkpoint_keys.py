@@ -133,17 +133,24 @@ def test_key_mapping(tmp_path, tiny_llama):
     assert torch.equal(logits(m), logits(load(src)))
 
 
+GPTQ_G128 = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
+
+
+def _qwen3_moe_gptq(tmp_path, num_experts):
+    """A one-layer Qwen3-MoE, written as GPTQ int4 g128 (one Linear per expert)."""
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=num_experts,
+                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    return cfg, model, writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
+
+
 def test_hand_written_per_expert_checkpoint_loads(tmp_path):
     # GPTQ / auto-round write one quantized Linear per expert; transformers 5 fuses the experts into one module with
     # 3-D parameters: hf_w4.moe unfuses it. The per-expert tensors here are packed by hand (not by the writer's MoE
     # path), each projection must dequantize to exactly its RTN weight
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    src = writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
-    spec = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
+    cfg, model, src = _qwen3_moe_gptq(tmp_path, num_experts=4)
     experts = model.model.layers[0].mlp.experts
     dense = {}
 
@@ -155,7 +162,7 @@ def test_hand_written_per_expert_checkpoint_loads(tmp_path):
             for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", experts.down_proj[e].detach())):
                 r = writers.quantize_rtn(w.float(), "int4", 128, True)
                 dense[(e, proj)] = r.dense()
-                for t, x in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+                for t, x in layouts.pack(GPTQ_G128, r.codes, r.scales, r.zeros).items():
                     sd[f"{p}.{e}.{proj}.{t}"] = x.contiguous()
         return sd
     m = AutoModelForCausalLM.from_pretrained(rewrite(src, tmp_path / "moe", per_expert), dtype=torch.float32)
@@ -168,18 +175,12 @@ def test_hand_written_per_expert_checkpoint_loads(tmp_path):
 def test_quantized_tensors_under_a_module_that_is_no_linear_are_an_error(tmp_path):
     # e.g. a router quantized by the producer (an nn.Linear before transformers 5, a TopKRouter module with a
     # 'weight' parameter now): nothing would load them, the router's own weight would stay random
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=32,
-                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    src = writers.write_checkpoint(model, str(tmp_path / "q"), "gptq").path
-    spec = W4Spec("gptq", "gptq", "int4", 4, 128, True, zero_plus_one=True)
+    _, _, src = _qwen3_moe_gptq(tmp_path, num_experts=32)
 
     def quantized_router(sd):
         w = sd.pop("model.layers.0.mlp.gate.weight").float()
         r = writers.quantize_rtn(w, "int4", 128, True)
-        for t, x in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+        for t, x in layouts.pack(GPTQ_G128, r.codes, r.scales, r.zeros).items():
             sd[f"model.layers.0.mlp.gate.{t}"] = x.contiguous()
         return sd
     bad = rewrite(src, tmp_path / "router", quantized_router)

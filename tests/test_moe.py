@@ -19,8 +19,9 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import hf_w4
-from hf_w4 import moe, writers
+from hf_w4 import layouts, moe, writers
 from hf_w4.checkpoint import CheckpointError
+from hf_w4.formats.spec import W4Spec
 from hf_w4.nn import QuantLinear
 
 VOCAB = 128
@@ -605,3 +606,116 @@ def test_lora_adapter_on_experts_saves_and_reloads(written, tmp_path, arch):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, after)
         assert torch.equal(m2(ids).logits, after)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Architectures at the edges (found by an audit): what is not a per-expert MoE stays as it is
+
+
+def _tiny(cfg_name, model_name, **kw):
+    import transformers
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**base, **kw})).float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else 0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def test_router_that_subclasses_linear_stays_a_router(tmp_path):
+    # PhiMoE's router is an nn.Linear subclass whose forward returns (logits, weights, index): quantized and swapped
+    # for a QuantLinear it broke every forward. Only Linears whose forward is nn.Linear's are layers to quantize
+    src = _tiny("PhimoeConfig", "PhimoeForCausalLM", intermediate_size=32, num_local_experts=16, num_experts_per_tok=2)
+    res = writers.write_checkpoint(src, str(tmp_path / "q"), "ct-w4a16", group_size=32)
+    assert not [n for n in res.quantized if n.endswith("mlp.router")]
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert type(model.model.layers[0].mlp.router).__name__ == "PhimoeTopKRouter"
+    assert isinstance(model.model.layers[0].mlp.experts, moe.UnfusedExperts)
+    rel = _rel(_logits(model), _logits(res.dense_model()))
+    assert rel <= 1e-5, f"PhiMoE: logits off the twin by {rel:.2e} (budget 1e-5)"
+
+
+@pytest.mark.parametrize("cfg_name,model_name,kw", [
+    # no use_experts_implementation: another forward signature and an [E, H, 2I] layout
+    ("Llama4TextConfig", "Llama4ForCausalLM", dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                                                   num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=1,
+                                                   no_rope_layers=[1, 1], attention_chunk_size=16)),
+    # no per-expert merge: its checkpoints store the experts fused (block_sparse_moe.input_linear)
+    ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+], ids=["llama4", "granitemoe"])
+def test_experts_not_stored_per_expert_stay_fused(tmp_path, cfg_name, model_name, kw):
+    # the writer leaves them fused and dense, as their own checkpoints hold them; the model loads, and a dequantized
+    # save loads back in plain transformers
+    src = _tiny(cfg_name, model_name, **kw)
+    fused = [type(m) for _, m in moe.fused_modules(src)]
+    assert fused and all(moe.fused_problem(m) is not None or moe.projection_names(src) is None
+                         for _, m in moe.fused_modules(src))
+    res = writers.write_checkpoint(src, str(tmp_path / "q"), "gptq", group_size=32)
+    assert not [k for k in _keys(res.path) if re.search(r"experts\.\d+\.", k)]
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert [type(m) for _, m in moe.fused_modules(model)] == fused
+    x = _tokens()
+    rel = _rel(_logits(model, x), _logits(res.dense_model(), x))
+    assert rel <= 1e-5, f"{model_name}: logits off the twin by {rel:.2e} (budget 1e-5)"
+    before = _logits(model, x)
+    model.dequantize()
+    model.save_pretrained(tmp_path / "dense")
+    hf_w4.uninstall()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
+    assert _rel(_logits(plain, x), before) <= 1e-5
+
+
+def test_unfusable_experts_stored_quantized_per_expert_are_refused(tmp_path):
+    # Llama 4 experts quantized one Linear per expert (a GPTQ layout): hf_w4 cannot run that module per expert
+    src = _tiny("Llama4TextConfig", "Llama4ForCausalLM", intermediate_size=32, intermediate_size_mlp=64,
+                num_local_experts=4, num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=1,
+                no_rope_layers=[1, 1], attention_chunk_size=16)
+    res = writers.write_checkpoint(src, str(tmp_path / "q"), "gptq", group_size=32)
+    spec = W4Spec("gptq", "gptq", "int4", 4, 32, True, zero_plus_one=True)
+
+    def per_expert(sd):
+        sd = dict(sd)
+        w = sd.pop("model.layers.0.feed_forward.experts.gate_up_proj")   # [E, H, 2I]
+        for e in range(w.shape[0]):
+            r = writers.quantize_rtn(w[e].t()[:32].float(), "int4", 32, True)
+            for t, v in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+                sd[f"model.layers.0.feed_forward.experts.{e}.gate_proj.{t}"] = v.contiguous()
+        return sd
+    bad = _rewrite(res.path, tmp_path / "bad", per_expert)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.feed_forward\.experts \(Llama4TextExperts\).*"
+                                              r"quantized one Linear per expert.*not a standard transformers experts"):
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+
+
+def test_config_rule_by_model_name_on_a_renamed_module(written, tmp_path, sources):
+    # Mixtral's experts are stored under block_sparse_moe but named mlp by the model: an auto-round extra_config
+    # keyed by the model's name (as a producer on transformers 5 writes it) applies, though the name on disk falls
+    # under the default
+    key = "model.layers.0.mlp.experts.0.w1"
+    res = writers.write_checkpoint(sources("mixtral"), str(tmp_path / "q"), "autoround", group_size=32,
+                                   extra_config={key: {"group_size": 64}})
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    assert model.get_submodule(key).spec.group_size == 64
+    assert model.get_submodule("model.layers.0.mlp.experts.0.w3").spec.group_size == 32
+    rel = _rel(_logits(model), _logits(res.dense_model()))
+    assert rel <= 1e-5, f"logits off the twin by {rel:.2e} (budget 1e-5)"
+
+
+def test_transpose_of_fused_experts_is_not_dropped():
+    # Qwen3-VL-MoE converts fused expert tensors of its older layout by a transpose (no per-expert sources): only
+    # per-expert merges are hf_w4's to drop
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    tc = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+              mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 3, 3]})
+    vc = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    m = _meta(Qwen3VLMoeForConditionalGeneration, Qwen3VLMoeConfig(text_config=tc, vision_config=vc))
+    conv = get_model_conversion_mapping(m, add_legacy=False)
+    assert [id(c) for c in moe.drop_expert_merges(conv, m)] == [id(c) for c in conv]

@@ -139,6 +139,13 @@ class FormatConfig:
     class_targets: Optional[tuple] = None            # class names a default applies to (CT "Linear")
     block_modules: Optional[tuple] = None            # patterns of the block Linears that are quantized (None = all)
 
+    def names_module(self, name: str) -> bool:
+        """Whether a rule, the block list or the block-module list names this module by its name (not by its class):
+        which of a renamed module's two names (as stored, as the model calls it) the config uses."""
+        by_name = [p for pats, _ in self.rules for p in pats] + list(self.block_modules or ())
+        return (any(not p.startswith("class:") and _match(p, name, "\0") for p in by_name)
+                or any(name == b or name.startswith(b + ".") for b in self.blocks or ()))
+
     def spec_for(self, name: str, cls_name: str = "Linear") -> Optional[W4Spec]:
         lm_head = name == "lm_head" or name.endswith(".lm_head")
         # block prefixes end at a module boundary ("model.layers.1" is not a prefix of "model.layers.10"); optimum and

@@ -15,29 +15,64 @@ from transformers.quantizers.base import HfQuantizer
 
 from .. import checkpoint, formats, layouts, moe
 from ..checkpoint import CheckpointError
-from ..nn import QuantLinear
+from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
 
 logger = logging.getLogger("hf_w4")
 
 
-def _spec_for(fmt: formats.FormatConfig, name: str, cls: str, stored_name: Optional[str],
+def _module_spec(spec, name: str, mod: nn.Module, stored: Optional[Dict[str, checkpoint.TensorInfo]],
+                 activation: Optional[str]):
+    """``spec`` completed for one module from what the checkpoint stores for it (bias, g_idx, input scale)."""
+    has_bias = mod.bias is not None if stored is None else "bias" in stored
+    spec = spec.replace(has_bias=has_bias)
+    if spec.layout == "gptq":
+        spec = spec.replace(has_g_idx=spec.desc_act if stored is None else "g_idx" in stored)
+        if spec.desc_act and not spec.has_g_idx:
+            raise CheckpointError(f"{name}.g_idx: missing from the checkpoint, but the config says desc_act: true "
+                                  "(act-order needs g_idx)")
+    if spec.weight_type == "nvfp4" and stored is not None:
+        key = "input_global_scale" if spec.layout == "ct_nvfp4" else "input_scale"
+        spec = spec.replace(has_input_scale=key in stored)
+    if activation is not None:
+        spec = spec.replace(act=activation)
+    return spec
+
+
+def _fits(spec, name: str, mod: nn.Module, stored: Optional[Dict[str, checkpoint.TensorInfo]]) -> bool:
+    """Whether the checkpoint's tensors for the module are what ``spec`` (None: dense) declares."""
+    if not stored:
+        return False
+    if spec is None:
+        w = stored.get("weight")
+        return (w is not None and w.dtype is not None and w.dtype.is_floating_point
+                and not set(stored) & checkpoint.QUANTIZED_WEIGHT_TENSORS)
+    try:
+        decls = layouts.declare(_module_spec(spec, name, mod, stored, None), mod.out_features, mod.in_features, name)
+    except (CheckpointError, layouts.LayoutError):
+        return False
+    return all(t in stored and stored[t].shape == tuple(d.shape) for t, d in decls.items())
+
+
+def _spec_for(fmt: formats.FormatConfig, name: str, mod: nn.Module, stored_name: Optional[str],
               stored: Optional[Dict[str, checkpoint.TensorInfo]]):
     """The config's spec for module ``name``. Where transformers renames the module (``stored_name``: its name on
     disk), the config may name it either way: producers that ran on transformers 4 wrote the names on disk, those on
-    transformers 5 the model's (and transformers 5 saves under the old names). Where the two readings disagree, the
-    one the files bear out wins: quantized tensors stored -> the quantizing one, a dense weight -> the dense one."""
+    transformers 5 the model's (and transformers 5 saves under the old names). Where the two readings differ, the
+    name a rule or block list of the config uses wins; if it uses both or neither, the reading the files bear out;
+    else the model's name."""
+    cls = type(mod).__name__
     spec = fmt.spec_for(name, cls)
     if not stored_name or stored_name == name:
         return spec
     other = fmt.spec_for(stored_name, cls)
-    if (spec is None) == (other is None):
-        return other if other is not None else spec
-    stored = stored or {}
-    w = stored.get("weight")
-    quantized = bool(set(stored) & checkpoint.QUANTIZED_WEIGHT_TENSORS) or (
-        w is not None and w.dtype is not None and not w.dtype.is_floating_point)
-    return (spec or other) if quantized else None
+    if other == spec:
+        return spec
+    named, named_stored = fmt.names_module(name), fmt.names_module(stored_name)
+    if named != named_stored:
+        return spec if named else other
+    fit = [s for s in (spec, other) if _fits(s, name, mod, stored)]
+    return fit[0] if len(fit) == 1 else spec
 
 
 def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optional[Dict[str, checkpoint.TensorInfo]],
@@ -54,12 +89,12 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
     # under its own name may then be loaded under another one: the post-load guard checks it instead
     unsure = headers is not None and any(k.rpartition(".")[0] not in modules for k in headers)
     for name, mod in list(modules.items()):
-        if not isinstance(mod, nn.Linear):
+        if not plain_linear(mod):
             continue
         stored = checkpoint.module_tensors(headers, name) if headers is not None else None
         if unsure and not stored:
             stored = None
-        spec = _spec_for(fmt, name, type(mod).__name__, (stored_names or {}).get(name), stored)
+        spec = _spec_for(fmt, name, mod, (stored_names or {}).get(name), stored)
         if spec is not None and any(name == s or name.startswith(s + ".") for s in skip):
             spec = None
         if spec is None:
@@ -71,18 +106,8 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
                                       f"stores it as {stored['weight'].dtype_name} {list(stored['weight'].shape)}")
             continue
         n, k = mod.out_features, mod.in_features
-        has_bias = mod.bias is not None if stored is None else "bias" in stored
-        spec = spec.replace(has_bias=has_bias)
-        if spec.layout == "gptq":
-            spec = spec.replace(has_g_idx=spec.desc_act if stored is None else "g_idx" in stored)
-            if spec.desc_act and not spec.has_g_idx:
-                raise CheckpointError(f"{name}.g_idx: missing from the checkpoint, but the config says desc_act: true "
-                                      "(act-order needs g_idx)")
-        if spec.weight_type == "nvfp4" and stored is not None:
-            key = "input_global_scale" if spec.layout == "ct_nvfp4" else "input_scale"
-            spec = spec.replace(has_input_scale=key in stored)
-        if activation is not None:
-            spec = spec.replace(act=activation)
+        spec = _module_spec(spec, name, mod, stored, activation)
+        has_bias = spec.has_bias
         decls = layouts.declare(spec, n, k, name)
         dtypes = {}
         for t, d in decls.items():
