@@ -36,6 +36,20 @@ def make_tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture
+def hf_w4_installed():
+    """hf_w4.install() for the test, uninstall() after it."""
+    import hf_w4
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in fp32."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_llama()

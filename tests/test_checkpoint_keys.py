@@ -19,11 +19,7 @@ Q = "model.layers.0.self_attn.q_proj"
 IDS = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 
 def logits(model):
@@ -56,15 +52,19 @@ def test_bin_checkpoint(tmp_path, tiny_llama, fmt):
             load(bad)
 
 
-def test_keys_transformers_renames(tmp_path):
-    # a Llava checkpoint in the legacy layout (language_model.model.layers.*) transformers 5 renames at load time
+def _tiny_llava():
     cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                                      num_attention_heads=2, image_size=32, patch_size=16),
                       text_config=LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
                       image_token_index=500)
     torch.manual_seed(0)
-    src = writers.write_checkpoint(LlavaForConditionalGeneration(cfg).eval(), str(tmp_path / "new"), "gptq",
+    return LlavaForConditionalGeneration(cfg).eval()
+
+
+def test_keys_transformers_renames(tmp_path):
+    # a Llava checkpoint in the legacy layout (language_model.model.layers.*) transformers 5 renames at load time
+    src = writers.write_checkpoint(_tiny_llava(), str(tmp_path / "new"), "gptq",
                                    block_name_to_quantize="model.language_model.layers").path
     legacy = {"model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head.",
               "model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."}
@@ -88,13 +88,7 @@ def test_keys_transformers_renames(tmp_path):
 def test_config_naming_modules_as_stored_on_disk(tmp_path, fmt):
     # transformers 5 saves Llava under its old names (language_model.model.*), as producers on transformers 4 also
     # named the modules in their configs; producers on transformers 5 name them as the model does. Both load.
-    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                                     num_attention_heads=2, image_size=32, patch_size=16),
-                      text_config=LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
-                      image_token_index=500)
-    torch.manual_seed(0)
-    src = writers.write_checkpoint(LlavaForConditionalGeneration(cfg).eval(), str(tmp_path / "new"), fmt,
+    src = writers.write_checkpoint(_tiny_llava(), str(tmp_path / "new"), fmt,
                                    block_name_to_quantize="model.language_model.layers",
                                    ignore=["model.language_model.layers.0.mlp.down_proj"] + (
                                        ["re:model[.](vision_tower|multi_modal_projector)[.].*"] if fmt == "ct-w4a16"

@@ -16,11 +16,7 @@ from hf_w4.layouts import LayoutError
 Q = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_w4
+from conftest import rel_err as _rel
 from hf_w4 import writers
 from hf_w4.nn import QuantLinear
 
@@ -37,15 +38,9 @@ IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items() if k != "extra_config
 ACT_FORMATS = {"ct-w8a8", "ct-w4a8"}   # dynamic int8 activations: compared with activation="none" against the twin
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 def _tokens():

@@ -19,6 +19,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import hf_w4
+from conftest import rel_err as _rel
 from hf_w4 import layouts, moe, writers
 from hf_w4.checkpoint import CheckpointError
 from hf_w4.formats.spec import W4Spec
@@ -49,15 +50,9 @@ PACKED = {"gptq": "qweight", "awq": "qweight", "autoround": "qweight", "ct-w4a16
 CASES = [("qwen3_moe", f) for f in QWEN_FORMATS] + [("mixtral", f) for f in ("gptq", "ct-w4a16", "modelopt-nvfp4")]
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 def _tokens(batch=2, seq=12):
