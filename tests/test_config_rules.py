@@ -11,7 +11,9 @@ from hf_w4.formats.spec import W4Spec
 from hf_w4.layouts import LayoutError
 from hf_w4.nn import QuantLinear
 
-from test_errors import _installed, copy, load  # noqa: E402,F401  (hf_w4 installed per test; checkpoint editing)
+from test_errors import copy, load  # noqa: E402  (checkpoint editing)
+
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 Q = "model.layers.0.self_attn.q_proj"
 L0_UP = "model.layers.0.mlp.up_proj"
