@@ -323,3 +323,25 @@ def without_unfused_merges(get_mapping):
         return drop_expert_merges(out, model, fusable=False) if has_unfused(model) else out
     get_model_conversion_mapping._hf_w4_wraps = get_mapping
     return get_model_conversion_mapping
+
+
+def sequential_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
+    """Experts modules transformers itself swaps for a per-expert version when a quantized checkpoint stores them
+    per expert (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's experts -> ``SequentialLlama4TextExperts``), swapped
+    where ``headers`` show per-expert tensors, for every format (transformers does it by quant_method, for
+    compressed-tensors and bitsandbytes, whatever the files hold). Their paths."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION as patches
+    except ImportError:
+        return []
+    done = []
+    for path, m in list(model.named_modules()):
+        entry = patches.get(type(m).__name__)
+        p = path + "."
+        if entry is None or not any(k.startswith(p) and k[len(p):].split(".")[0].isdigit() for k in headers):
+            continue
+        device = next(m.parameters()).device
+        with torch.device(device):
+            model.set_submodule(path, entry["module_name"](model.config.get_text_config()))
+        done.append(path)
+    return done

@@ -664,26 +664,51 @@ def test_experts_not_stored_per_expert_stay_fused(tmp_path, cfg_name, model_name
     assert _rel(_logits(plain, x), before) <= 1e-5
 
 
-def test_unfusable_experts_stored_quantized_per_expert_are_refused(tmp_path):
-    # Llama 4 experts quantized one Linear per expert (a GPTQ layout): hf_w4 cannot run that module per expert
-    src = _tiny("Llama4TextConfig", "Llama4ForCausalLM", intermediate_size=32, intermediate_size_mlp=64,
-                num_local_experts=4, num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=1,
-                no_rope_layers=[1, 1], attention_chunk_size=16)
-    res = writers.write_checkpoint(src, str(tmp_path / "q"), "gptq", group_size=32)
+LLAMA4 = dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
+              interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=16)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "ct-w4a16"])
+def test_llama4_experts_stored_per_expert_load(tmp_path, fmt):
+    # Llama 4's experts (outside transformers' experts interface) quantized one Linear per expert, as llm-compressor
+    # writes them: transformers' own per-expert module (SequentialLlama4TextExperts) takes them, for every format
+    # (transformers swaps it in for compressed-tensors only, and whatever the files hold)
+    src = _tiny("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4)
+    res = writers.write_checkpoint(src, str(tmp_path / "q"), fmt, group_size=32)   # experts fused, dense
     spec = W4Spec("gptq", "gptq", "int4", 4, 32, True, zero_plus_one=True)
+    twin = res.dense_model()
+    paths = [n for n, m in twin.named_modules() if type(m).__name__ == "Llama4TextExperts"]
 
     def per_expert(sd):
         sd = dict(sd)
-        w = sd.pop("model.layers.0.feed_forward.experts.gate_up_proj")   # [E, H, 2I]
-        for e in range(w.shape[0]):
-            r = writers.quantize_rtn(w[e].t()[:32].float(), "int4", 32, True)
-            for t, v in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
-                sd[f"model.layers.0.feed_forward.experts.{e}.gate_proj.{t}"] = v.contiguous()
+        for p in paths:
+            gu, dn = sd.pop(f"{p}.gate_up_proj").float(), sd.pop(f"{p}.down_proj").float()   # [E, H, 2I], [E, I, H]
+            i = dn.shape[1]
+            fused = twin.get_submodule(p)
+            for e in range(gu.shape[0]):
+                dense = {}
+                for proj, w in (("gate_proj", gu[e][:, :i].t()), ("up_proj", gu[e][:, i:].t()), ("down_proj", dn[e].t())):
+                    r = writers.quantize_rtn(w.contiguous(), "int4", 32, True)
+                    dense[proj] = r.dense()
+                    for t, v in layouts.pack(spec, r.codes, r.scales, r.zeros).items():
+                        sd[f"{p}.{e}.{proj}.{t}"] = v.contiguous()
+                with torch.no_grad():   # the twin's experts: the dequantized per-expert weights, fused back
+                    fused.gate_up_proj[e] = torch.cat([dense["gate_proj"], dense["up_proj"]]).t()
+                    fused.down_proj[e] = dense["down_proj"].t()
         return sd
-    bad = _rewrite(res.path, tmp_path / "bad", per_expert)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.feed_forward\.experts \(Llama4TextExperts\).*"
-                                              r"quantized one Linear per expert.*not a standard transformers experts"):
-        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+
+    # (GPTQ-packed experts inside a compressed-tensors checkpoint would be no real layout: that one keeps them fused)
+    path = _rewrite(res.path, tmp_path / "per_expert", per_expert if fmt == "gptq" else None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    experts = [m for n, m in model.named_modules() if n in paths]
+    if fmt == "gptq":
+        assert all(type(m).__name__ == "SequentialLlama4TextExperts" for m in experts)
+        assert all(isinstance(m[0].gate_proj, QuantLinear) for m in experts)
+    else:   # stored fused and dense: stays the fused module (transformers would have swapped it and failed)
+        assert all(type(m).__name__ == "Llama4TextExperts" for m in experts)
+    x = _tokens()
+    rel = _rel(_logits(model, x), _logits(twin, x))
+    assert rel <= 1e-5, f"Llama 4 {fmt}: logits off the twin by {rel:.2e} (budget 1e-5)"
 
 
 def test_config_rule_by_model_name_on_a_renamed_module(written, tmp_path, sources):

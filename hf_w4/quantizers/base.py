@@ -178,6 +178,9 @@ class HfW4Quantizer(HfQuantizer):
     def update_parallel_plan(self, model, plan):
         pass  # packed tensors carry no generic sharding plan
 
+    def _convert_model_for_quantization(self, model):
+        pass  # per checkpoint, in _process_model_before_weight_loading (moe.sequential_for_checkpoint)
+
     def update_weight_conversions(self, weight_conversions, model):
         # per-expert tensors of MoE layers load as stored, into per-expert Linears (hf_w4.moe), not merged
         return super().update_weight_conversions(moe.drop_expert_merges(weight_conversions, model), model)
@@ -205,6 +208,7 @@ class HfW4Quantizer(HfQuantizer):
             stored_names: Dict[str, str] = {}
             headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self, stored_names)
             # MoE experts stored one Linear per expert: unfused, so each projection is a Linear swapped below
+            moe.sequential_for_checkpoint(model, headers)
             moe.unfuse_for_checkpoint(model, headers)
         skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
         act = ACTIVATION_MODES[self.options["activation"]]
