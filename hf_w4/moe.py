@@ -114,6 +114,17 @@ class UnfusedExperts(nn.Module):
         # the (token, slot) pairs sorted by expert, gathered once; each expert's rows are then a slice, and the
         # weighted outputs go back in one index_add (indices >= num_experts, masked experts, are skipped)
         gate_name, up_name, down_name = self.names
+        if hidden_states.shape[0] == 1:   # one token (decode): its experts in turn, no sorting or scatter
+            out = torch.zeros_like(hidden_states)
+            weights = top_k_weights[0]
+            for j, e in enumerate(top_k_index[0].tolist()):
+                if e >= self.num_experts:
+                    continue
+                expert = self[e]
+                h = self.act_fn(getattr(expert, gate_name)(hidden_states)) * getattr(expert, up_name)(hidden_states)
+                # weighted and summed in the dtypes of the general path (and of transformers' eager experts)
+                out += (getattr(expert, down_name)(h) * weights[j:j + 1]).to(out.dtype)
+            return out
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
