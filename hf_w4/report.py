@@ -1,6 +1,7 @@
 """What a loaded model runs on: per layer format, kernel, why the other kernels were rejected, memory."""
 from __future__ import annotations
 
+import re
 from typing import Dict, List
 
 from torch import nn
@@ -18,10 +19,18 @@ def layer_table(model: nn.Module) -> List[Dict]:
     return rows
 
 
-def kernel_report(model: nn.Module) -> str:
-    """One line per quantized layer: kernel used and why the others were rejected."""
-    lines = []
+def kernel_report(model: nn.Module, per_layer: bool = False) -> str:
+    """The kernel each quantized layer runs on and why the others were rejected. Layers that differ only in their
+    numbers (``model.layers.3.mlp.experts.17.up_proj``) and agree in format, kernel and reasons share one line,
+    ``model.layers.*.mlp.experts.*.up_proj (96 layers): ...`` (an MoE model has thousands); ``per_layer``: one line
+    per layer."""
+    groups: Dict[tuple, List[str]] = {}
     for r in layer_table(model):
         why = "; ".join(f"{k}: {v}" for k, v in r["rejected"].items()) or "-"
-        lines.append(f"{r['name']}: {r['format']} -> {r['kernel']} (rejected: {why})")
+        pattern = r["name"] if per_layer else re.sub(r"(?<=\.)\d+(?=\.|$)", "*", r["name"])
+        groups.setdefault((pattern, r["format"], r["kernel"], why), []).append(r["name"])
+    lines = []
+    for (pattern, fmt, kernel, why), names in groups.items():
+        label = names[0] if len(names) == 1 else f"{pattern} ({len(names)} layers)"
+        lines.append(f"{label}: {fmt} -> {kernel} (rejected: {why})")
     return "\n".join(lines) if lines else "no hf_w4 QuantLinear modules"

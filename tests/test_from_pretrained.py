@@ -236,8 +236,12 @@ def test_extra_repr_and_report(written):
     model = AutoModelForCausalLM.from_pretrained(written("awq", {}).path, dtype=torch.float32)
     r = repr(model.model.layers[0].self_attn.q_proj)
     assert "format=awq:awq int4 g128" in r and "kernel=" in r
-    rep = hf_w4.kernel_report(model)
-    assert "model.layers.0.self_attn.q_proj" in rep and "->" in rep
+    rep = hf_w4.kernel_report(model, per_layer=True)
+    assert "model.layers.0.self_attn.q_proj: awq:awq int4 g128" in rep and "->" in rep
+    n = model.config.num_hidden_layers
+    rep = hf_w4.kernel_report(model)   # layers alike but for their numbers: one line
+    assert f"model.layers.*.self_attn.q_proj ({n} layers): awq:awq int4 g128" in rep, rep
+    assert "model.layers.0.self_attn.q_proj" not in rep and len(rep.splitlines()) == 7, rep
 
 
 def test_compute_dtype_loading_attribute(written):
