@@ -186,11 +186,12 @@ KV_CACHE_SCALES = frozenset({"k_scale", "v_scale"})
 def check_unclaimed(headers: Dict[str, TensorInfo], model: nn.Module) -> None:
     """Raise when the checkpoint holds quantized weights that nothing in the (swapped) model would load.
 
-    That happens where a module exists with parameters of its own but is not an ``nn.Linear``, e.g. fused MoE
-    experts that :mod:`hf_w4.moe` did not unfuse while the checkpoint stores one quantized Linear per expert:
-    transformers would report the tensors as unexpected and leave the module's parameters randomly initialised. Tensors whose names are nowhere in the model are left
-    alone: they come from a renaming not known here or from layers the model does not have (e.g. a DeepSeek
-    MTP layer), which transformers reports as unexpected keys, as for dense checkpoints.
+    That happens where a module exists with parameters of its own but is not a plain ``nn.Linear``, e.g. a
+    quantized MoE router, or fused MoE experts that :mod:`hf_w4.moe` did not unfuse while the checkpoint stores one
+    quantized Linear per expert: transformers would report the tensors as unexpected and leave the module's
+    parameters randomly initialised. Tensors whose names are nowhere in the model are left alone: they come from a
+    renaming not known here or from layers the model does not have (e.g. a DeepSeek MTP layer), which transformers
+    reports as unexpected keys, as for dense checkpoints.
     """
     own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     modules = dict(model.named_modules())

@@ -25,6 +25,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
+
 FUSED = ("gate_up_proj", "down_proj")   # the fused experts' parameters this module reads
 DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -147,6 +149,13 @@ class UnfusedExperts(nn.Module):
         return out
 
 
+def _patterns(c) -> Tuple[List[str], List[str]]:
+    """A transformers WeightConverter's (source, target) patterns as written in the conversion mapping."""
+    sources = getattr(c, "_original_source_patterns", None) or c.source_patterns
+    targets = getattr(c, "_original_target_patterns", None) or c.target_patterns
+    return [str(x) for x in sources], [str(x) for x in targets]
+
+
 def projection_names(model: nn.Module) -> Optional[Tuple[str, str, str]]:
     """(gate, up, down) per-expert projection names the model's conversion mapping merges into its fused experts;
     None where it has no such merge (its checkpoints store the experts fused, e.g. GraniteMoE, Qwen3-VL-MoE)."""
@@ -160,11 +169,10 @@ def projection_names(model: nn.Module) -> Optional[Tuple[str, str, str]]:
     for t in transforms:
         if not isinstance(t, WeightConverter):
             continue
-        targets = getattr(t, "_original_target_patterns", None) or t.target_patterns
-        sources = getattr(t, "_original_source_patterns", None) or t.source_patterns
+        sources, targets = _patterns(t)
         for param in FUSED:
-            if any(str(x).rstrip("$").endswith(f"experts.{param}") for x in targets):
-                names = [re.search(r"experts\.\*\.(\w+)\.weight", str(s)) for s in sources]
+            if any(x.rstrip("$").endswith(f"experts.{param}") for x in targets):
+                names = [re.search(r"experts\.\*\.(\w+)\.weight", x) for x in sources]
                 if all(names):
                     found[param] = [n.group(1) for n in names]
     gate_up, down = found.get("gate_up_proj", []), found.get("down_proj", [])
@@ -216,18 +224,23 @@ def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
     return ((n, m) for n, m in model.named_modules() if is_fused_experts(m))
 
 
+def _per_expert_layout(model: nn.Module) -> List[Tuple[str, nn.Module, Tuple[str, str, str]]]:
+    """(path, module, projection names) of each fused experts module that the model's own checkpoints store per
+    expert (a per-expert merge in its conversion mapping) and hf_w4 can run per expert."""
+    names = projection_names(model)
+    return [(p, m, names) for p, m in fused_modules(model) if names and fused_problem(m) is None]
+
+
 @contextlib.contextmanager
 def unfused(model: nn.Module):
-    """Within the block, every fused experts module of ``model`` that can be is an :class:`UnfusedExperts` over
-    views of its parameters (what a producer sees: one Linear per expert projection); restored on exit. Only for
-    models whose checkpoints store the experts per expert (a per-expert merge in the model's conversion mapping)."""
-    names = projection_names(model)
+    """Within the block, every fused experts module of ``model`` whose checkpoints are per expert is an
+    :class:`UnfusedExperts` over views of its parameters (what a producer sees: one Linear per expert projection);
+    restored on exit."""
     swapped = []
     try:
-        for path, m in list(fused_modules(model)) if names else ():
-            if fused_problem(m) is None:
-                model.set_submodule(path, unfuse(m, names, share=True))
-                swapped.append((path, m))
+        for path, m, names in _per_expert_layout(model):
+            model.set_submodule(path, unfuse(m, names, share=True))
+            swapped.append((path, m))
         yield [p for p, _ in swapped]
     finally:
         for path, m in swapped:
@@ -235,20 +248,12 @@ def unfused(model: nn.Module):
 
 
 def unfuse_all(model: nn.Module) -> List[str]:
-    """Replace every fused experts module that can be by a new (uninitialised) :class:`UnfusedExperts`; their
-    paths."""
-    names = projection_names(model)
-    done = []
-    for path, m in list(fused_modules(model)) if names else ():
-        if fused_problem(m) is None:
-            model.set_submodule(path, unfuse(m, names))
-            done.append(path)
-    return done
-
-
-def expert_targets(path: str) -> List[str]:
-    """The names a merge into the fused experts module at ``path`` would produce."""
-    return [f"{path}.{p}" for p in FUSED]
+    """Replace every fused experts module whose checkpoints are per expert by a new (uninitialised)
+    :class:`UnfusedExperts`; their paths."""
+    layout = _per_expert_layout(model)
+    for path, m, names in layout:
+        model.set_submodule(path, unfuse(m, names))
+    return [p for p, _, _ in layout]
 
 
 def has_unfused(model: nn.Module) -> bool:
@@ -265,39 +270,44 @@ def drop_expert_merges(conversions: list, model: nn.Module, fusable: bool = True
         return conversions
     targets = [t for n, m in model.named_modules()
                if isinstance(m, UnfusedExperts) or (fusable and is_fused_experts(m) and fused_problem(m) is None)
-               for t in expert_targets(n)]
+               for t in (f"{n}.{p}" for p in FUSED)]
     if not targets:
         return conversions
 
     def merges_into_experts(c) -> bool:   # per-expert sources (experts.*.x) into one of those modules' params
         if not isinstance(c, WeightConverter):
             return False
-        sources = getattr(c, "_original_source_patterns", None) or c.source_patterns
-        if not any(re.search(r"experts\.\*\.", str(x)) for x in sources):
+        sources, pats = _patterns(c)
+        if not any(re.search(r"experts\.\*\.", x) for x in sources):
             return False   # e.g. Qwen3-VL-MoE's transpose of fused tensors
-        pats = [str(x).lstrip("^").rstrip("$") for x in
-                (getattr(c, "_original_target_patterns", None) or c.target_patterns)]
+        pats = [x.lstrip("^").rstrip("$") for x in pats]
         return any(re.search(r"experts\.(gate_up_proj|down_proj)$", p) and any(t.endswith(p.lstrip("."))
                    for t in targets) for p in pats)
 
     return [c for c in conversions if not merges_into_experts(c)]
 
 
+def _stored_per_expert(headers: dict, path: str) -> Dict[str, List[str]]:
+    """``expert.projection`` -> tensor names of the tensors ``headers`` hold under the experts module at ``path``
+    one per expert (``path.3.gate_proj.qweight``)."""
+    p = path + "."
+    stored: Dict[str, List[str]] = {}
+    for key in headers:
+        if key.startswith(p):
+            parts = key[len(p):].split(".")
+            if len(parts) == 3 and parts[0].isdigit():
+                stored.setdefault(f"{parts[0]}.{parts[1]}", []).append(parts[2])
+    return stored
+
+
 def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
     """Unfuse every fused experts module whose tensors ``headers`` (keyed by loading names) store per expert;
     their paths. Raises ``CheckpointError`` where that cannot work and the tensors are quantized, and where the
     stored projection names or expert numbers do not fit the module."""
-    from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
     names = None
     done = []
     for path, m in list(fused_modules(model)):
-        p = path + "."
-        stored: Dict[str, List[str]] = {}    # expert.projection -> tensor names
-        for key in headers:
-            if key.startswith(p):
-                parts = key[len(p):].split(".")
-                if len(parts) == 3 and parts[0].isdigit():
-                    stored.setdefault(f"{parts[0]}.{parts[1]}", []).append(parts[2])
+        stored = _stored_per_expert(headers, path)
         if not stored:
             continue
         quantized = sorted(k for k, ts in stored.items() if set(ts) & QUANTIZED_WEIGHT_TENSORS)
@@ -348,8 +358,7 @@ def sequential_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
     done = []
     for path, m in list(model.named_modules()):
         entry = patches.get(type(m).__name__)
-        p = path + "."
-        if entry is None or not any(k.startswith(p) and k[len(p):].split(".")[0].isdigit() for k in headers):
+        if entry is None or not _stored_per_expert(headers, path):
             continue
         device = next(m.parameters()).device
         with torch.device(device):

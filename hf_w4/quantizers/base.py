@@ -203,17 +203,16 @@ class HfW4Quantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         self.format = formats.parse(self._checkpoint_dict(checkpoint_files))
         headers = checkpoint.read_headers(checkpoint_files) if checkpoint_files else None
+        stored_names: Dict[str, str] = {}   # renamed modules' names on disk
         if headers is not None:
             # transformers renames checkpoint keys only after this swap: match the names it will load them as
-            stored_names: Dict[str, str] = {}
             headers = checkpoint.loading_names(headers, model, kwargs.get("key_mapping"), self, stored_names)
             # MoE experts stored one Linear per expert: unfused, so each projection is a Linear swapped below
             moe.sequential_for_checkpoint(model, headers)
             moe.unfuse_for_checkpoint(model, headers)
         skip = list(getattr(model, "_keep_in_fp32_modules", None) or ())
         act = ACTIVATION_MODES[self.options["activation"]]
-        n = replace_linear(model, self.format, headers, activation=act, skip=skip,
-                           stored_names=stored_names if headers is not None else None)
+        n = replace_linear(model, self.format, headers, activation=act, skip=skip, stored_names=stored_names)
         if n == 0:
             logger.warning("hf_w4: the %s config quantizes no Linear module of this model", self.METHOD)
         lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
