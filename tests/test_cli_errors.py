@@ -167,6 +167,7 @@ def test_window_longer_than_context(tiny, capsys):
     (["--shapes", "256x0"], "not a positive integer"),
     (["--m", "1,x"], "--m: 'x'"),
     (["--contenders", "nope,bf16"], "unknown nope; known: bf16"),
+    (["--moe", "--experts", "4"], "--experts 4: the MoE model routes each token to 8 experts; give at least 8"),
 ])
 def test_bench_arguments(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:
