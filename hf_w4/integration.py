@@ -10,8 +10,11 @@ transformers (``install()`` sets, ``uninstall()`` restores):
   its same-named config class (parses without the producer libraries); ``modelopt`` is added to both;
 * ``quantizers.auto.LOADING_ATTRIBUTES_CONFIG_TYPES`` gains ``ModelOptConfig``, so loading attributes reach it;
 * ``quantizers.auto.AutoRoundConfig``: transformers parses any checkpoint with it when the user passes one;
-* ``modeling_utils.get_hf_quantizer`` (with ``modelopt``): a local ModelOpt export that has only
-  ``hf_quant_config.json`` loads as if ``quantization_config=ModelOptConfig()`` had been passed;
+* ``modeling_utils.get_hf_quantizer``: with ``modelopt``, a local ModelOpt export that has only
+  ``hf_quant_config.json`` loads as if ``quantization_config=ModelOptConfig()`` had been passed; and a local
+  checkpoint whose weight files hold packed quantized weights but that transformers would load densely (no
+  quantization_config, or a quant_method nobody registered) is refused, naming the layers, instead of loading
+  with those layers random;
 * ``PreTrainedModel.resize_token_embeddings``: refuses a quantized output embedding before anything changes
   (transformers would resize the input embeddings first, then fail on the packed head).
 
@@ -23,23 +26,25 @@ PEFT (``hf_w4.peft.lora.enable()``, at ``install()``; stays for the process, act
   ``transformers.integrations.peft``, and ``_convert_peft_config_moe``: MoE experts hf_w4 unfused keep per-expert
   LoRA targets.
 
+``import hf_w4`` itself changes one thing (``hf_w4/install_hint.py``): while hf_w4 is not installed for a method
+it loads, transformers' errors about that method's missing producer library also name the fix.
+
 Not thread-safe (it edits module-level dicts): call it once per process, e.g. at the top of each
 ``accelerate launch`` rank's script (``hf_w4.install()`` or ``import hf_w4.auto``).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Iterable, Optional
 
 from .formats.modelopt import ALGOS, sidecar_algo
-from .loading import CONFIGS, QUANTIZERS
+from .loading import CONFIGS, QUANTIZERS, checkpoint
 from .loading.config import ModelOptConfig
 from .nn import QuantLinear
 from .peft import lora
+from .log import logger
 
-logger = logging.getLogger("hf_w4")
 _saved: dict = {}   # method -> (quantizer or None, config or None)
 _extra: dict = {}
 
@@ -68,10 +73,10 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
         if m == "auto-round":
             _extra["AutoRoundConfig"] = qauto.AutoRoundConfig
             qauto.AutoRoundConfig = CONFIGS[m]
-        if m == "modelopt":
-            from transformers import modeling_utils
-            _extra["get_hf_quantizer"] = modeling_utils.get_hf_quantizer
-            modeling_utils.get_hf_quantizer = _get_hf_quantizer
+    if "get_hf_quantizer" not in _extra:
+        from transformers import modeling_utils
+        _extra["get_hf_quantizer"] = modeling_utils.get_hf_quantizer
+        modeling_utils.get_hf_quantizer = _get_hf_quantizer
     if "resize_token_embeddings" not in _extra:
         from transformers import PreTrainedModel
         _extra["resize_token_embeddings"] = PreTrainedModel.resize_token_embeddings
@@ -114,7 +119,7 @@ def _resize_token_embeddings(self, *args, **kwargs):
 
 def _get_hf_quantizer(config, quantization_config, *args, **kwargs):
     algo = None
-    if quantization_config is None and kwargs.get("gguf_file") is None:
+    if "modelopt" in _saved and quantization_config is None and kwargs.get("gguf_file") is None:
         algo = sidecar_algo(config)
     if algo:
         if algo not in ALGOS:
@@ -124,7 +129,41 @@ def _get_hf_quantizer(config, quantization_config, *args, **kwargs):
                 "quantization_config. To load the directory without it: hf_w4.install() without 'modelopt', or "
                 "remove the file")
         quantization_config = ModelOptConfig()
-    return _extra["get_hf_quantizer"](config, quantization_config, *args, **kwargs)
+    result = _extra["get_hf_quantizer"](config, quantization_config, *args, **kwargs)
+    if result[0] is None and kwargs.get("gguf_file") is None:
+        _refuse_packed_dense_load(config)
+    return result
+
+
+def _refuse_packed_dense_load(config) -> None:
+    """transformers loads a checkpoint densely when its config has no quantization_config, or one whose
+    quant_method nobody registered (it only warns): packed weights would then be dropped as unexpected keys and
+    those layers left random. For a local directory, refuse that, naming the layers."""
+    path = str(getattr(config, "_name_or_path", "") or "")
+    if not os.path.isdir(path):
+        return
+    headers = checkpoint.read_headers(checkpoint.local_weight_files(path))
+    packed = checkpoint.packed_weights(headers or {})
+    if not packed:
+        return
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    q = getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None)
+    method = (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) if q else None
+    method = getattr(method, "value", method)
+    if q is None:
+        why = "config.json has no quantization_config"
+    elif method in CONFIGS:
+        why = (f"its quant_method {method!r} is one hf_w4 loads, but hf_w4 is installed only for "
+               f"{', '.join(_saved) or 'nothing'}: call hf_w4.install() (all methods) first")
+    else:
+        why = (f"its quant_method {method!r} is known neither to transformers nor to hf_w4 (hf_w4 loads "
+               f"{', '.join(CONFIGS)})")
+    names = sorted(packed)
+    shown = "; ".join(f"{n} ({', '.join(packed[n])})" for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    raise checkpoint.CheckpointError(
+        f"{path}: the weight files hold packed quantized weights for {len(names)} layer(s) ({shown}{more}), but "
+        f"{why}; loaded as a dense model these layers would keep random weights, so hf_w4 refuses it")
 
 
 @contextlib.contextmanager

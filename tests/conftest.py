@@ -71,3 +71,15 @@ def tiny_llama_dir(tmp_path_factory, tiny_llama):
     d = tmp_path_factory.mktemp("tiny_llama_dense")
     tiny_llama.save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def hf_w4_caplog(caplog):
+    """``caplog`` that sees hf_w4's messages: they go to transformers' library logger, which does not propagate to
+    the root logger (where caplog listens) unless asked."""
+    from transformers.utils import logging as tlog
+    from hf_w4.log import NAME
+    tlog.enable_propagation()
+    caplog.set_level("INFO", logger=NAME)
+    yield caplog
+    tlog.disable_propagation()

@@ -274,9 +274,8 @@ def test_modules_to_save_on_a_quantized_module_is_refused(written):
         get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
 
 
-def test_peft_without_the_expected_internals_is_left_alone(caplog):
+def test_peft_without_the_expected_internals_is_left_alone(hf_w4_caplog):
     """A PEFT whose LoraModel lacks the methods hf_w4.lora replaces: a warning naming them, and nothing patched."""
-    import logging
     import types
     from hf_w4.peft import lora
 
@@ -286,8 +285,7 @@ def test_peft_without_the_expected_internals_is_left_alone(caplog):
         @staticmethod
         def _create_new_module(*a, **k):
             return None
-    with caplog.at_level(logging.WARNING, logger="hf_w4"):
-        lora._patch(types.SimpleNamespace(LoraModel=LoraModel))
-    assert "LoRA on QuantLinear layers is unavailable with peft" in caplog.text
-    assert "LoraModel._replace_module" in caplog.text and not getattr(LoraModel, "_hf_w4_patched", False)
+    lora._patch(types.SimpleNamespace(LoraModel=LoraModel))
+    assert "LoRA on QuantLinear layers is unavailable with peft" in hf_w4_caplog.text
+    assert "LoraModel._replace_module" in hf_w4_caplog.text and not getattr(LoraModel, "_hf_w4_patched", False)
     assert LoraModel._create_new_module() is None

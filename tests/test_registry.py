@@ -1,5 +1,4 @@
 """Kernel selection: declared capabilities, reasons, force/deny knobs, the reference fallback warning."""
-import logging
 
 import pytest
 import torch
@@ -50,17 +49,16 @@ class _Fake(base.Kernel):
     NAME, PRIORITY, WEIGHT_TYPES, DESCRIPTION = "fake_fast", 1000, frozenset({"nvfp4"}), "test double"
 
 
-def test_rejections_carry_reasons_and_reference_warns_once(caplog, monkeypatch):
+def test_rejections_carry_reasons_and_reference_warns_once(hf_w4_caplog, monkeypatch):
     monkeypatch.setattr(registry, "_KERNELS", registry.kernels() + [_Fake])
     registry._KERNELS.sort(key=lambda c: -c.PRIORITY)
     registry._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_w4"):
-        for _ in range(3):
-            cls, reasons = registry.select(SPEC, 256, 256, CPU, torch.float32, deny=[
-                k.NAME for k in registry.kernels() if k not in (_Fake, TorchReferenceKernel)])
+    for _ in range(3):
+        cls, reasons = registry.select(SPEC, 256, 256, CPU, torch.float32, deny=[
+            k.NAME for k in registry.kernels() if k not in (_Fake, TorchReferenceKernel)])
     assert cls is TorchReferenceKernel
     assert reasons["fake_fast"] == "weight type int4 not in ['nvfp4']"
-    assert sum("no fast kernel can run" in r.message for r in caplog.records) == 1
+    assert sum("no fast kernel can run" in r.message for r in hf_w4_caplog.records) == 1
     with pytest.raises(ValueError, match="kernel 'fake_fast' was forced .* weight type int4 not in"):
         registry.select(SPEC, 256, 256, CPU, torch.float32, force="fake_fast")
 

@@ -1,12 +1,11 @@
 """``quant_method: compressed-tensors`` (docs/formats.md, compressed-tensors), parsed without the compressed-tensors library."""
 from __future__ import annotations
 
-import logging
 
 from .spec import FormatConfig, W4Spec
 from ._common import check_regex, names_of
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "nvfp4-pack-quantized")
 
 

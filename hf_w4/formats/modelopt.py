@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Optional
 
 from .spec import FormatConfig, W4Spec
 from ._common import names_of
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 # quant_algo -> has input_scale tensors (NVFP4 = W4A4 checkpoints, served weight-only)
 ALGOS = {"W4A16_NVFP4": False, "NVFP4": True}
 

@@ -8,7 +8,6 @@ a warning is logged once per reason set.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List, Optional, Sequence, Tuple, Type
 
@@ -17,8 +16,8 @@ import torch
 from ..formats.spec import W4Spec
 from .base import Kernel
 from .reference import TorchReferenceKernel
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 
 _KERNELS: List[Type[Kernel]] = []
 _warned: set = set()

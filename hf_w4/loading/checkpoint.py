@@ -8,20 +8,20 @@ the ones transformers loads each tensor under (:func:`loading_names`), not alway
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import layouts
 from ..formats.spec import LAYOUTS, W4Spec
 from ..nn import plain_linear
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 
 # safetensors dtype names -> torch dtypes
 DTYPES = {
@@ -45,33 +45,39 @@ class TensorInfo:
 
 
 def read_header(path: str) -> Dict[str, TensorInfo]:
-    """Header of one .safetensors file; raises CheckpointError for a truncated or corrupt file."""
+    """Names, dtypes and shapes in one .safetensors file (``safe_open`` reads the header, no tensor data); a
+    truncated or corrupt file is a CheckpointError saying which, and how."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            out = {}
+            for name in f.keys():
+                s = f.get_slice(name)
+                dtype = s.get_dtype()
+                out[name] = TensorInfo(DTYPES.get(dtype), dtype, tuple(s.get_shape()), path)
+            return out
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: {_damage(path, e)}") from None
+
+
+def _damage(path: str, error: Exception) -> str:
+    """What is wrong with a file ``safe_open`` refused, in sizes where that is the problem (a copy or download
+    that stopped early)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            return f"truncated safetensors file ({size} bytes, no header)"
         (n,) = struct.unpack("<Q", head)
         if 8 + n > size:
-            raise CheckpointError(f"{path}: truncated safetensors file: header declares {n} bytes, file has {size}")
+            return f"truncated safetensors file: header declares {n} bytes, file has {size}"
         try:
             meta = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
-    out, end = {}, 0
-    for name, d in meta.items():
-        if name == "__metadata__":
-            continue
-        try:
-            b, e = d["data_offsets"]
-            out[name] = TensorInfo(DTYPES.get(d["dtype"]), d["dtype"], tuple(d["shape"]), path)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: {d}") from None
-        end = max(end, e)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated safetensors file: header declares {8 + n + end} bytes of data, "
-                              f"file has {size}")
-    return out
+            end = 8 + n + max((d["data_offsets"][1] for k, d in meta.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            end = None
+    if end is not None and end > size:
+        return f"truncated safetensors file: header declares {end} bytes of data, file has {size}"
+    return f"corrupt safetensors file ({error})"
 
 
 def read_torch_file(path: str) -> Optional[Dict[str, TensorInfo]]:
@@ -222,3 +228,30 @@ def check_unclaimed(headers: Dict[str, TensorInfo], model: nn.Module) -> None:
         f"so they would not be loaded and the model's own parameters there would stay random: {shown}{more}; "
         f"they fall in {', '.join(owners[:3])}{' ...' if len(owners) > 3 else ''}. hf_w4 quantizes nn.Linear "
         f"modules; {' and '.join(unsupported)} are not supported")
+
+
+def local_weight_files(directory: str) -> list:
+    """The .safetensors weight files of a local checkpoint directory (those its index names, else all of them)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set((json.load(f).get("weight_map") or {}).values()))
+    else:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
+
+
+def packed_weights(headers: Dict[str, TensorInfo]) -> Dict[str, list]:
+    """Modules whose weight is stored packed (module -> its tensor names): a ``qweight`` or ``weight_packed``
+    tensor, or an integer ``weight`` next to a ``weight_scale`` (ModelOpt NVFP4). No dense model can take these."""
+    by_module: Dict[str, Dict[str, TensorInfo]] = {}
+    for key, info in headers.items():
+        module, _, t = key.rpartition(".")
+        by_module.setdefault(module, {})[t] = info
+    out = {}
+    for module, ts in by_module.items():
+        w = ts.get("weight")
+        integer_weight = w is not None and w.dtype is not None and not w.dtype.is_floating_point
+        if "qweight" in ts or "weight_packed" in ts or (integer_weight and "weight_scale" in ts):
+            out[module] = sorted(ts)
+    return out

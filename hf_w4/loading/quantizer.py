@@ -5,7 +5,6 @@ Per-method subclasses only name their method (they are what ``AUTO_QUANTIZER_MAP
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Dict, Optional
 
@@ -18,8 +17,8 @@ from . import checkpoint, moe
 from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 
 
 def _module_spec(spec, name: str, mod: nn.Module, stored: Optional[Dict[str, checkpoint.TensorInfo]],

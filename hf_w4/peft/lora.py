@@ -24,15 +24,13 @@ Written against the PEFT internals of peft 0.21 (``LoraModel._create_new_module`
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import logging
 import sys
 
 from ..nn import QuantLinear
 from .common import base_of, merge_refusal
+from ..import_hook import when_imported
+from ..log import logger
 
-logger = logging.getLogger("hf_w4")
 _TARGET = "peft.tuners.lora.model"
 _CONVERSION = "peft.utils.transformers_weight_conversion"   # imported by PEFT only when an adapter is injected
 
@@ -40,39 +38,7 @@ _CONVERSION = "peft.utils.transformers_weight_conversion"   # imported by PEFT o
 def enable() -> None:
     """Make PEFT's LoRA accept ``QuantLinear`` layers (now, or when PEFT is imported). Idempotent."""
     for name, patch in ((_TARGET, _patch), (_CONVERSION, _patch_moe_conversion)):
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-        elif not any(isinstance(f, _ImportHook) and f.name == name for f in sys.meta_path):
-            sys.meta_path.insert(0, _ImportHook(name, patch))
-
-
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Patches module ``name`` right after it is first executed, then removes itself."""
-
-    def __init__(self, name, patch):
-        self.name, self.patch = name, patch
-
-    def find_spec(self, name, path, target=None):
-        if name != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader, self.patch)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, patch):
-        self.loader, self.patch = loader, patch
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        self.patch(module)
+        when_imported(name, patch)
 
 
 def _patch(module) -> None:
