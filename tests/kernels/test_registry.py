@@ -80,7 +80,7 @@ def test_registry_order_is_priority_then_name():
 
 def test_readme_matrix_is_generated_from_the_registry():
     import pathlib
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     assert registry.support_matrix(status=False) in readme, \
         "README's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"
 
