@@ -2,8 +2,6 @@
 code or PEFT costs seconds): ``when_imported("peft.tuners.lora.model", patch)``."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 from typing import Callable
 
@@ -18,8 +16,9 @@ def when_imported(name: str, patch: Callable) -> None:
         sys.meta_path.insert(0, _ImportHook(name, patch))
 
 
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Patches module ``name`` right after it is first executed, then removes itself."""
+class _ImportHook:
+    """A ``sys.meta_path`` finder that patches module ``name`` right after it is first executed, then removes
+    itself (importlib's ABCs are left out: importing them costs more than the rest of ``import hf_w4``)."""
 
     def __init__(self, name, patch):
         self.name, self.patch = name, patch
@@ -27,6 +26,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name != self.name:
             return None
+        import importlib.util
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
@@ -34,7 +34,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     def __init__(self, loader, patch):
         self.loader, self.patch = loader, patch
 

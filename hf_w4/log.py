@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from transformers.utils import logging as _tlog
@@ -35,3 +36,17 @@ def set_verbosity(level: str, progress_bars: Optional[bool] = None) -> None:
     if progress_bars is None:
         progress_bars = level != "error"
     (_tlog.enable_progress_bar if progress_bars else _tlog.disable_progress_bar)()
+
+
+@contextlib.contextmanager
+def hidden_progress_bars(hide: bool = True):
+    """Within the block, no progress bar at all (transformers' "Loading weights" bars included) when ``hide``;
+    afterwards as before. ``hide=False`` changes nothing (the global switch decides)."""
+    was = _tlog.is_progress_bar_enabled()
+    if hide:
+        _tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide and was:
+            _tlog.enable_progress_bar()

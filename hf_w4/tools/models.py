@@ -13,11 +13,10 @@ runs once per dtype into ``$HF_W4_CACHE`` (default ``~/.cache/hf_w4``); it is se
 and published with an atomic rename, so concurrent processes (e.g. ranks under ``accelerate launch``)
 never see a half-written directory.
 
-Everything here works offline: set ``HF_HUB_OFFLINE=1``.
+The default model works offline (``HF_HUB_OFFLINE=1``); a hub id needs the hub or the hub cache.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import json
@@ -102,16 +101,11 @@ def is_converted(path: Union[str, Path]) -> bool:
     return meta.get("format_version") == _FORMAT_VERSION and (p / "config.json").is_file()
 
 
-@contextlib.contextmanager
 def _locked(path: Path):
-    import fcntl
+    """An exclusive lock on ``path`` (filelock: POSIX and Windows), held by one process at a time."""
+    from filelock import FileLock
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return FileLock(str(path))
 
 
 def default_model_path(dtype="float32", cache: Optional[Union[str, Path]] = None, verbose: bool = True) -> Path:
@@ -184,19 +178,55 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path], dtype="float
 
 
 def resolve(path: Optional[Union[str, Path]], dtype="float32") -> Path:
-    """A model path as given, or the converted default model for ``None`` / an alias (``"default"``,
-    ``"smollm2"``, ...). As in transformers, an existing local directory wins: ``./smollm2`` (or ``smollm2`` when
-    such a directory exists) is that directory, not the embedded model."""
+    """A model path as given, the converted default model for ``None`` / an alias (``"default"``, ``"smollm2"``,
+    ...), or a Hugging Face hub id (``org/name``) as a local snapshot: from the hub cache, downloaded where the hub
+    is reachable. As in transformers, an existing local directory wins: ``./smollm2`` (or ``smollm2`` when such a
+    directory exists) is that directory, not the embedded model."""
     p = Path(path) if path is not None else None
     if p is None or (str(path).lower() in ALIASES and not p.is_dir()):
         return default_model_path(dtype)
     if not p.exists():
+        if _is_hub_id(str(path)):
+            return hub_snapshot(str(path))
         raise FileNotFoundError(f"{path}: no such model directory (use 'default' for the embedded "
-                                f"{DEFAULT_NAME})")
+                                f"{DEFAULT_NAME}, or a Hugging Face hub id such as HuggingFaceTB/{DEFAULT_NAME})")
     if not p.is_dir():
         raise NotADirectoryError(f"{path}: is a file, not a model directory (pass the directory that holds "
                                  "config.json and the weights)")
     return p
+
+
+def _is_hub_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "~")) and "\\" not in s
+
+
+# what a checkpoint needs: config, weights, tokenizer, generation and quantization side files
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of hub model ``repo_id`` (huggingface_hub's cache; downloaded if missing and the hub is
+    reachable). Not cached while ``HF_HUB_OFFLINE=1`` is an error saying so."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        if isinstance(e, GatedRepoError):
+            raise PermissionError(f"{repo_id}: a gated model on the Hugging Face hub; accept its terms on the hub "
+                                  "and log in (hf auth login)") from None
+        raise FileNotFoundError(f"{repo_id}: no such local directory, and no such model on the Hugging Face hub")\
+            from None
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"{repo_id}: no such local directory, and not in the Hugging Face cache "
+                                    f"({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE=1 is set, so it was not downloaded: "
+                                    "unset HF_HUB_OFFLINE, or download it first (hf download "
+                                    f"{repo_id})") from None
+        raise FileNotFoundError(f"{repo_id}: no such local directory, not in the Hugging Face cache, and the hub "
+                                "could not be reached to download it") from None
 
 
 # --------------------------------------------------------------------------------------------- tiny model

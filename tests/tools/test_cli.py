@@ -93,7 +93,9 @@ def test_bench_forwards_arguments(monkeypatch):
 def test_convert_list_formats(capsys):
     from hf_w4.tools import writers
     assert cli.main(["convert", "x", "y", "--list-formats"]) == 0
-    assert capsys.readouterr().out.split() == list(writers.FORMATS)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(writers.FORMATS)
+    assert all(writers.FORMATS[line.split()[0]].description in line for line in lines)
 
 
 def test_info_quantized(tiny_gptq, capsys, tmp_path):
@@ -103,15 +105,18 @@ def test_info_quantized(tiny_gptq, capsys, tmp_path):
     rows = json.loads(out.read_text())["layers"]
     assert len(rows) == 14                                    # 2 layers x 7 projections; lm_head stays dense
     assert "format   gptq" in text and "packed vs" in text
+    # by default one line per kind of layer (hf_w4.kernel_report), and no kernel timing
+    assert "(7 layers)" not in text and "model.layers.*.self_attn.q_proj (2 layers): gptq" in text, text
+    assert "cpu_w4a16 isa=" not in text and "model.layers.0.self_attn.q_proj" not in text
+    assert cli.main(["info", str(tiny_gptq), "--per-layer", "--kernel-timing"]) == 0
+    text = capsys.readouterr().out
     if any(r["kernel"] == "cpu_w4a16" for r in rows):      # the ISA and the timed large-M choice
         assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) large_m_bf16 int4=\[[^]]+\] int4_no_i16=\[[^]]+\] "
                          r"nvfp4=\[[^]]+\] \(", text), text
     for r in rows:
-        assert r["kernel"] in text and r["name"] in text
+        assert f"{r['name']}: {r['format']} -> {r['kernel']}" in text
         for k, why in r["rejected"].items():
-            assert f"rejected {k}: {why}" in text
-    assert cli.main(["info", str(tiny_gptq), "--summary"]) == 0
-    assert "rejected" not in capsys.readouterr().out
+            assert f"{k}: {why}" in text
 
 
 def test_eval_quantized_against_dense(tiny, tiny_gptq, tmp_path, capsys):
@@ -195,7 +200,7 @@ def test_demo_arguments(capsys, monkeypatch):
     from hf_w4.tools import evaluate as E
     for argv, expect in ((["--group-size", "-5"], "positive group size or -1"), (["--group-size", "0"], "-1"),
                          (["--decode-tokens", "0"], "must be >= 2"), (["--decode-tokens", "1"], "must be >= 2"),
-                         (["--ppl-tokens", "-1"], "must be >= 0"),
+                         (["--max-tokens", "-1"], "must be >= 0"),
                          (["--w4a8", "ct-nvfp4"], "allowed: gptq,autoround,autoround-awq,awq,ct-w4a16, or none"),
                          (["--w4a8", "gptq,modelopt-w4a16"], "modelopt-w4a16: not a 4-bit integer")):
         with pytest.raises(SystemExit) as e:
@@ -204,12 +209,13 @@ def test_demo_arguments(capsys, monkeypatch):
         assert e.value.code == 2 and argv[0] in err and expect in err, (argv, err)
     seen = []
     ok = dict(status="ok", reason="", kernel="k", packed_bytes=1, dense_bytes=2, perplexity=2.0, ppl_ratio=1.0,
-              top1=1.0, tok_per_s=1.0, speedup=1.0, answer="")
+              top1=1.0, tok_per_s=1.0, tok_per_s_min=0.9, tok_per_s_max=1.1, speedup=1.0, answer="", reference="r")
     monkeypatch.setattr(E, "run_demo", lambda model, **kw: seen.append(kw) or [dict(ok, format="dense"),
                                                                                 dict(ok, format="gptq")])
     for argv, ppl, dec, w4a8 in (([], 2048, 32, None), (["--quick"], 512, 8, None),
-                                 (["--ppl-tokens", "0", "--decode-tokens", "2", "--quick"], None, 2, None),
-                                 (["--ppl-tokens", "100", "--w4a8", "none"], 100, 32, []),
+                                 (["--max-tokens", "0", "--decode-tokens", "2", "--quick"], None, 2, None),
+                                 (["--max-tokens", "100", "--w4a8", "none"], 100, 32, []),
+                                 (["--ppl-tokens", "100"], 100, 32, None),          # the earlier name still works
                                  (["--w4a8", "awq,gptq"], 2048, 32, ["awq", "gptq"])):
         assert cli.main(["demo", "--no-progress", *argv]) == 0
         assert (seen[-1]["ppl_tokens"], seen[-1]["decode_tokens"], seen[-1]["w4a8"]) == (ppl, dec, w4a8), argv

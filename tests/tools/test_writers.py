@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import hf_w4
 from safetensors.torch import load_file
 
 from hf_w4 import formats, layouts
@@ -137,8 +138,8 @@ def test_dense_twin(written, tiny_llama):
 def test_gptq_sym_golden(written):
     res, sd, cj = written("gptq", {})
     q = cj["quantization_config"]
-    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "autoround_version": "0.16.1",
-                 "provider": "auto-round", "lm_head": False, "quant_method": "gptq", "desc_act": False,
+    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "provider": "hf_w4", "hf_w4_version": hf_w4.__version__,
+                 "hf_w4_quantization": "round-to-nearest (RTN)", "lm_head": False, "quant_method": "gptq", "desc_act": False,
                  "true_sequential": False, "damp_percent": 0.01}
     assert json.load(open(os.path.join(res.path, "quantize_config.json"))) == q
     t = _module_tensors(sd, Q)
@@ -182,8 +183,8 @@ def test_gptq_desc_act(written, tiny_llama):
 def test_autoround_configs_and_signed_scales(written):
     res, sd, cj = written("autoround", {})
     q = cj["quantization_config"]
-    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "autoround_version": "0.16.1",
-                 "block_name_to_quantize": "model.layers", "quant_method": "auto-round",
+    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "provider": "hf_w4", "hf_w4_version": hf_w4.__version__,
+                 "hf_w4_quantization": "round-to-nearest (RTN)", "block_name_to_quantize": "model.layers", "quant_method": "auto-round",
                  "packing_format": "auto_round:auto_gptq"}
     assert json.load(open(os.path.join(res.path, "quantization_config.json"))) == q
     t = _module_tensors(sd, Q)
@@ -214,8 +215,8 @@ def test_autoround_extra_config_and_lm_head(written):
 def test_awq_golden(written):
     res, sd, cj = written("awq", {})
     q = cj["quantization_config"]
-    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "autoround_version": "0.16.1",
-                 "provider": "auto-round", "quant_method": "awq", "version": "gemm", "zero_point": False,
+    assert q == {"bits": 4, "group_size": 128, "sym": True, "data_type": "int", "provider": "hf_w4", "hf_w4_version": hf_w4.__version__,
+                 "hf_w4_quantization": "round-to-nearest (RTN)", "quant_method": "awq", "version": "gemm", "zero_point": False,
                  "modules_to_not_convert": ["lm_head"], "to_quant_block_names": "model.layers"}
     t = _module_tensors(sd, Q)
     assert set(t) == {"qweight", "qzeros", "scales"}
@@ -241,8 +242,9 @@ def test_ct_w4a16(written):
     assert {k: g["weights"][k] for k in ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")} == \
         {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True, "dynamic": False}
     assert q["ignore"] == ["lm_head"] and q["quantization_status"] == "compressed" and q["version"] == "0.19.0"
-    assert q["kv_cache_scheme"] is None and q["sparsity_config"] == {} and q["transform_config"] == {}
-    assert os.path.exists(os.path.join(res.path, "recipe.yaml"))
+    recipe = open(os.path.join(res.path, "recipe.yaml")).read()
+    assert recipe.startswith(f"# written by hf_w4 {hf_w4.__version__}: round-to-nearest (RTN)")
+    assert "QuantizationModifier" in recipe
     t = _module_tensors(sd, Q)
     assert set(t) == {"weight_packed", "weight_scale", "weight_shape"}
     assert t["weight_packed"].shape == (256, 32) and t["weight_scale"].dtype == torch.bfloat16
@@ -323,7 +325,9 @@ def test_modelopt(written, tiny_llama, fmt):
     res, sd, cj = written(fmt, {})
     algo = "NVFP4" if fmt == "modelopt-nvfp4" else "W4A16_NVFP4"
     hq = json.load(open(os.path.join(res.path, "hf_quant_config.json")))
-    assert hq == {"producer": {"name": "modelopt", "version": "0.47.0"},
+    # the name readers require, the layout version followed, and who really wrote it
+    assert hq == {"producer": {"name": "modelopt", "version": "0.47.0", "written_by": f"hf_w4 {hf_w4.__version__}, "
+                               "round-to-nearest (RTN), in ModelOpt 0.47.0's layout"},
                   "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
                                    "exclude_modules": ["lm_head", "model.embed_tokens"]}}
     q = cj["quantization_config"]

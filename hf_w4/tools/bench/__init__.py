@@ -1,11 +1,11 @@
-"""The kernel benchmark: ``python -m hf_w4.tools.bench`` (= ``hf-w4 bench``).
+"""The kernel benchmark: ``hf-w4 bench`` (= ``python -m hf_w4.tools.bench``).
 
-    python -m hf_w4.tools.bench                 # all shapes x M, table in markdown
-    python -m hf_w4.tools.bench --quick         # fewer shapes / M, shorter timings
-    python -m hf_w4.tools.bench --shapes 4096x4096 --m 1,4 --contenders bf16,ours_int4
-    python -m hf_w4.tools.bench --model         # whole-model greedy decode tokens/s (Llama-shaped, random)
-    python -m hf_w4.tools.bench --model-only --moe   # the same on a Qwen3-MoE-shaped model
-    python -m hf_w4.tools.bench --int8 --rounds 5    # the W8A8 / W4A8 kernels against bf16 and zentorch
+    hf-w4 bench                       # all shapes x M, table in markdown
+    hf-w4 bench --quick               # fewer shapes / M, shorter timings
+    hf-w4 bench --shapes 4096x4096 --m 1,4 --contenders bf16,ours_int4
+    hf-w4 bench --whole-model         # also whole-model greedy decode tokens/s (Llama-shaped, random)
+    hf-w4 bench --whole-model-only --moe   # only that, on a Qwen3-MoE-shaped model
+    hf-w4 bench --int8 --rounds 5     # the W8A8 / W4A8 kernels against bf16 and zentorch
 
 This module composes the harness with the contender modules; the harness knows none of them by name.
 """
@@ -51,7 +51,8 @@ INT8_CONTENDERS = ",".join(["bf16", "ours_int4"] + [c.name for c in int8.CONTEND
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hf_w4.tools.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hf-w4 bench", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--shapes", default=None, help="comma list of KxN (default: %s; --int8: %s)" %
                     (",".join(f"{k}x{n}" for k, n in SHAPES), INT8_SHAPES))
     ap.add_argument("--m", default=None, help="comma list of M (default: %s)" % ",".join(map(str, MS)))
@@ -59,21 +60,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma list of names (default: all available; --int8: %s)" % INT8_CONTENDERS)
     ap.add_argument("--int8", action="store_true",
                     help="the W8A8 / W4A8 kernels: --shapes and --contenders default to the values above")
-    ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cold-mib", type=float, default=None, help="default: max(96, 2 x the L3 size in MiB)")
-    ap.add_argument("--min-time", type=float, default=0.2)
-    ap.add_argument("--min-runs", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=128, help="weights per scale along K")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--cold-mib", type=float, default=None,
+                    help="MiB of weight copies rotated so that weights come from memory (None: max(96, 2 x the L3 "
+                         "size in MiB))")
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timing")
+    ap.add_argument("--min-runs", type=int, default=5, help="runs per timing, at least")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the contenders (median)")
     ap.add_argument("--quick", action="store_true", help="4096x4096 and 2048x2048, M=1,16,256, short timings")
-    ap.add_argument("--model", action="store_true", help="also run the whole-model decode benchmark")
-    ap.add_argument("--model-only", action="store_true")
+    ap.add_argument("--whole-model", action="store_true", help="also run the whole-model decode benchmark")
+    ap.add_argument("--whole-model-only", action="store_true", help="only the whole-model decode benchmark")
     ap.add_argument("--moe", action="store_true",
                     help="the whole-model benchmark on a Qwen3-MoE-shaped model (loaded from written checkpoints) instead of the Llama-shaped one")
     ap.add_argument("--experts", type=int, default=32, help="experts per layer for --moe (top-8 routed)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--model-rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the whole-model benchmark")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens timed by the whole-model benchmark")
+    ap.add_argument("--model-rounds", type=int, default=5, help="rounds of the whole-model benchmark (median)")
     ap.add_argument("--no-boost", action="store_true", help="do not try nice -20 on this process group")
     a = ap.parse_args(argv)
     if a.int8:
@@ -109,18 +112,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"skipping {c.name}: {why}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cold {a.cold_mib} MiB, group {a.group_size}")
-    if not a.model_only:
+    if not a.whole_model_only:
         res = bench_shapes(shapes, ms, usable, a.group_size, a.cold_mib, a.min_time, a.min_runs, a.rounds)
         for t in tables(res, shapes, ms, [c.name for c in usable]):
             print()
             print(t)
-    if (a.model or a.model_only) and not a.moe:
+    if (a.whole_model or a.whole_model_only) and not a.moe:
         print(f"\nwhole-model greedy decode (Llama-shaped, hidden 4096, {a.layers} layers, random bf16 weights, "
-              f"{a.tokens} new tokens, median of {a.model_rounds} interleaved rounds):")
-        bench_model(a.layers, a.tokens, group_size=a.group_size, rounds=a.model_rounds)
+              f"{a.decode_tokens} new tokens, median of {a.model_rounds} interleaved rounds):")
+        bench_model(a.layers, a.decode_tokens, group_size=a.group_size, rounds=a.model_rounds)
     if a.moe:
         print(f"\nwhole-model greedy decode (Qwen3-MoE-shaped: hidden 2048, {a.experts} experts of 768, top-8, "
-              f"{a.layers} layers, random bf16 weights, {a.tokens} new tokens, median of {a.model_rounds} interleaved "
-              "rounds; quantized models written as gptq / modelopt-nvfp4 and loaded with from_pretrained):")
-        bench_moe(a.layers, a.tokens, group_size=a.group_size, rounds=a.model_rounds, experts=a.experts)
+              f"{a.layers} layers, random bf16 weights, {a.decode_tokens} new tokens, median of {a.model_rounds} "
+              "interleaved rounds; quantized models written as gptq / modelopt-nvfp4 and loaded with from_pretrained):")
+        bench_moe(a.layers, a.decode_tokens, group_size=a.group_size, rounds=a.model_rounds, experts=a.experts)
     return 0

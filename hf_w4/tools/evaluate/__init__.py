@@ -22,7 +22,7 @@ Modules: ``text`` (corpus, windows), ``dist`` (ranks), ``metrics`` (perplexity, 
 and describing the model), ``run`` (``evaluate``), ``demo`` (``run_demo``).
 """
 from .demo import (DEMO_GROUP_SIZE, W4A8_FORMATS, demo_formats, demo_w4a8_rows, format_demo_answers,
-                   format_demo_table, run_demo)
+                   format_demo_caption, format_demo_table, run_demo)
 from .dist import Dist
 from .metrics import DecodeResult, PerplexityResult, decode, encode_prompt, model_bytes, peak_rss_bytes, perplexity
 from .model import (ACTIVATION_TEXT, TOKENIZER_FILES, activation_used, has_tokenizer, kernels_used, load_model,
@@ -34,6 +34,6 @@ from .text import (BOS_MODEL_TYPES, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_
 __all__ = ["ACTIVATION_TEXT", "BOS_MODEL_TYPES", "DEFAULT_MAX_TOKENS", "DEFAULT_PROMPT", "DEFAULT_WINDOW",
            "DEMO_GROUP_SIZE", "DecodeResult", "Dist", "PerplexityResult", "TOKENIZER_FILES", "W4A8_FORMATS",
            "activation_used", "decode", "default_text", "demo_formats", "demo_w4a8_rows", "encode_prompt", "evaluate",
-           "format_demo_answers", "format_demo_table", "format_eval", "has_tokenizer", "kernels_used", "load_model",
-           "load_tokenizer", "make_windows", "model_bytes", "needs_bos", "peak_rss_bytes", "perplexity",
-           "quant_format", "read_text", "run_demo"]
+           "format_demo_answers", "format_demo_caption", "format_demo_table", "format_eval", "has_tokenizer",
+           "kernels_used", "load_model", "load_tokenizer", "make_windows", "model_bytes", "needs_bos", "peak_rss_bytes",
+           "perplexity", "quant_format", "read_text", "run_demo"]

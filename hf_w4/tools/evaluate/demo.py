@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ...log import hidden_progress_bars
 from ...loading.config import checkpoint_quant_method
 from .. import models, writers
 from .dist import Dist
@@ -15,10 +16,7 @@ from .model import kernels_used, load_model, load_tokenizer
 from .text import DEFAULT_PROMPT, DEFAULT_WINDOW, default_text, make_windows
 
 
-DEMO_GROUP_SIZE = 64       # SmolLM2's K = 576 is not a multiple of 128; 64 and 32 fit every projection
-# 4-bit integer weight formats, which the cpu_int8 kernel also runs with dynamic int8 activations (W4A8); the NVFP4
-# formats have no int8 kernel (they would fall back to the slow reference kernel)
-W4A8_FORMATS = ("gptq", "autoround", "autoround-awq", "awq", "ct-w4a16")
+from ..defaults import DEMO_GROUP_SIZE, W4A8_FORMATS  # noqa: F401 (re-exported)
 
 
 def demo_formats() -> List[str]:
@@ -82,120 +80,126 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
     Usage errors (an unknown format, a bad group size or count, a quantized source model) raise ValueError before
     anything is measured.
     """
-    import shutil
-    import tempfile
-    from pathlib import Path
+    with hidden_progress_bars(not progress):   # progress=False hides transformers' loading bars too
+        import shutil
+        import tempfile
+        from pathlib import Path
 
 
-    formats = list(formats) if formats else list(writers.FORMATS)
-    unknown = [f for f in formats if f not in writers.FORMATS]
-    if unknown:
-        raise ValueError(f"unknown format(s) {unknown}; known: {list(writers.FORMATS)}")
-    w4a8 = demo_w4a8_rows(formats, w4a8)
-    _check_group_size(group_size)
-    if decode_tokens < 2:
-        raise ValueError(f"decode_tokens must be >= 2 (the demo times decoding), got {decode_tokens}")
-    if ppl_tokens is not None and ppl_tokens < 2:
-        raise ValueError(f"ppl_tokens must be >= 2 or None (the whole text), got {ppl_tokens}")
-    src = models.resolve(model_path)
-    method = checkpoint_quant_method(src)
-    if method is not None:
-        raise ValueError(f"{src} is a quantized checkpoint (quant_method {method!r}); the demo writes every format "
-                         "from a dense model: pass the dense checkpoint it was made from")
-    tmp = None
-    if out_dir is None:
-        tmp = out_dir = tempfile.mkdtemp(prefix="hf_w4_demo_")
-    out_dir = Path(out_dir)
-    dist = Dist()                                    # the demo is a single-process tool
-    rows: List[Dict] = []
-    try:
-        tok = load_tokenizer(src)
-        source = load_model(src, torch.float32)         # what the writers quantize (kept in memory once)
-        dense = load_model(src, dtype) if dtype != torch.float32 else source
-        windows = make_windows(tok, text if text is not None else default_text(), window, ppl_tokens, "auto",
-                               dense.config)
-        log(f"dense {str(dtype).replace('torch.', '')}: {src} ({windows.shape[0]} x {windows.shape[1]}-token "
-            f"windows, {decode_tokens} decode tokens, {torch.get_num_threads()} threads)")
-        ref = perplexity(dense, windows, None, dist, progress)
-        dec = decode(dense, tok, prompt, decode_tokens)
-        nbytes = model_bytes(dense)
-        lin = _linear_bytes(dense)
-        base = {"format": f"dense {str(dtype).replace('torch.', '')}", "status": "ok", "reason": "",
-                "kernel": "torch (dense)", "kernels": {}, "activation": None, "packed_bytes": lin,
-                "dense_bytes": lin, "weights_bytes": nbytes["total"], "perplexity": ref.ppl, "ppl_ratio": 1.0,
-                "top1": 1.0, "tok_per_s": dec.tok_per_s, "speedup": 1.0, "answer": dec.text, "write_s": 0.0,
-                "load_s": 0.0, "ppl_s": None, "decode_s": None}
-        rows.append(base)
-        del dense
+        formats = list(formats) if formats else list(writers.FORMATS)
+        unknown = [f for f in formats if f not in writers.FORMATS]
+        if unknown:
+            raise ValueError(f"unknown format(s) {unknown}; known: {list(writers.FORMATS)}")
+        w4a8 = demo_w4a8_rows(formats, w4a8)
+        _check_group_size(group_size)
+        if decode_tokens < 2:
+            raise ValueError(f"decode_tokens must be >= 2 (the demo times decoding), got {decode_tokens}")
+        if ppl_tokens is not None and ppl_tokens < 2:
+            raise ValueError(f"ppl_tokens must be >= 2 or None (the whole text), got {ppl_tokens}")
+        src = models.resolve(model_path)
+        method = checkpoint_quant_method(src)
+        if method is not None:
+            raise ValueError(f"{src} is a quantized checkpoint (quant_method {method!r}); the demo writes every format "
+                             "from a dense model: pass the dense checkpoint it was made from")
+        tmp = None
+        if out_dir is None:
+            tmp = out_dir = tempfile.mkdtemp(prefix="hf_w4_demo_")
+        out_dir = Path(out_dir)
+        dist = Dist()                                    # the demo is a single-process tool
+        rows: List[Dict] = []
+        try:
+            tok = load_tokenizer(src)
+            source = load_model(src, torch.float32)         # what the writers quantize (kept in memory once)
+            dense = load_model(src, dtype) if dtype != torch.float32 else source
+            windows = make_windows(tok, text if text is not None else default_text(), window, ppl_tokens, "auto",
+                                   dense.config)
+            log(f"dense {str(dtype).replace('torch.', '')}: {src} ({windows.shape[0]} x {windows.shape[1]}-token "
+                f"windows, {decode_tokens} decode tokens, {torch.get_num_threads()} threads)")
+            ref = perplexity(dense, windows, None, dist, progress)
+            dec = decode(dense, tok, prompt, decode_tokens)
+            nbytes = model_bytes(dense)
+            lin = _linear_bytes(dense)
+            base = {"format": f"dense {str(dtype).replace('torch.', '')}", "status": "ok", "reason": "",
+                    "reference": _reference_text(src),
+                    "kernel": "torch (dense)", "kernels": {}, "activation": None, "packed_bytes": lin,
+                    "dense_bytes": lin, "weights_bytes": nbytes["total"], "perplexity": ref.ppl, "ppl_ratio": 1.0,
+                    "top1": 1.0, "tok_per_s": dec.tok_per_s, "tok_per_s_min": dec.tok_per_s_min,
+                    "tok_per_s_max": dec.tok_per_s_max, "speedup": 1.0, "answer": dec.text, "write_s": 0.0,
+                    "load_s": 0.0, "ppl_s": None, "decode_s": None}
+            rows.append(base)
+            del dense
 
-        def new_row(name, activation):
-            row = {"format": name, "status": "ok", "reason": "", "kernel": "", "kernels": {},
-                   "activation": activation, "packed_bytes": None, "dense_bytes": None, "weights_bytes": None,
-                   "perplexity": None, "ppl_ratio": None, "top1": None, "tok_per_s": None, "speedup": None,
-                   "answer": "", "write_s": None, "load_s": None, "ppl_s": None, "decode_s": None}
-            rows.append(row)
-            return row
+            def new_row(name, activation):
+                row = {"format": name, "status": "ok", "reason": "", "kernel": "", "kernels": {},
+                       "activation": activation, "packed_bytes": None, "dense_bytes": None, "weights_bytes": None,
+                       "perplexity": None, "ppl_ratio": None, "top1": None, "tok_per_s": None,
+                       "tok_per_s_min": None, "tok_per_s_max": None, "speedup": None,
+                       "answer": "", "write_s": None, "load_s": None, "ppl_s": None, "decode_s": None}
+                rows.append(row)
+                return row
 
-        def measure(row, path, note):
-            try:
+            def measure(row, path, note):
+                try:
+                    t0 = time.perf_counter()
+                    model = load_model(path, dtype, row["activation"])
+                    row["load_s"] = time.perf_counter() - t0
+                    ks = kernels_used(model)
+                    mb = model_bytes(model)
+                    t0 = time.perf_counter()
+                    p = perplexity(model, windows, ref.argmax, dist, progress)
+                    row["ppl_s"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    d = decode(model, tok, prompt, decode_tokens)
+                    row["decode_s"] = time.perf_counter() - t0
+                except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
+                    row.update(status="failed", reason=f"load/run: {type(e).__name__}: {_one_line(e)}")
+                    log(f"{row['format']}: FAILED {row['reason']}")
+                    return
+                finally:
+                    model = None
+                    gc.collect()
+                row.update(kernel=_kernel_summary(ks), kernels=ks, packed_bytes=mb["packed"],
+                           dense_bytes=mb["dense"], weights_bytes=mb["total"], perplexity=p.ppl,
+                           ppl_ratio=p.ppl / ref.ppl, top1=p.top1,
+                           tok_per_s=d.tok_per_s, tok_per_s_min=d.tok_per_s_min, tok_per_s_max=d.tok_per_s_max,
+                           speedup=d.tok_per_s / base["tok_per_s"], answer=d.text, reason=note)
+                log(f"{row['format']}: ppl {p.ppl:.3f} ({row['ppl_ratio']:.3f}x), {d.tok_per_s:.1f} tok/s "
+                    f"[{d.tok_per_s_min:.1f}-{d.tok_per_s_max:.1f}], "
+                    f"kernel {row['kernel']} (" + (f"write {row['write_s']:.1f} s, " if row["write_s"] else "")
+                    + f"load {row['load_s']:.1f} s, perplexity {row['ppl_s']:.1f} s, decode {row['decode_s']:.1f} s)")
+
+            it = progress_bar(formats, len(formats), "demo formats", progress)
+            for fmt in it:
+                row = new_row(fmt, "auto")
+                path = note = None
                 t0 = time.perf_counter()
-                model = load_model(path, dtype, row["activation"])
-                row["load_s"] = time.perf_counter() - t0
-                ks = kernels_used(model)
-                mb = model_bytes(model)
-                t0 = time.perf_counter()
-                p = perplexity(model, windows, ref.argmax, dist, progress)
-                row["ppl_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                d = decode(model, tok, prompt, decode_tokens)
-                row["decode_s"] = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
-                row.update(status="failed", reason=f"load/run: {type(e).__name__}: {_one_line(e)}")
-                log(f"{row['format']}: FAILED {row['reason']}")
-                return
-            finally:
-                model = None
-                gc.collect()
-            row.update(kernel=_kernel_summary(ks), kernels=ks, packed_bytes=mb["packed"],
-                       dense_bytes=mb["dense"], weights_bytes=mb["total"], perplexity=p.ppl,
-                       ppl_ratio=p.ppl / ref.ppl, top1=p.top1,
-                       tok_per_s=d.tok_per_s, speedup=d.tok_per_s / base["tok_per_s"], answer=d.text, reason=note)
-            log(f"{row['format']}: ppl {p.ppl:.3f} ({row['ppl_ratio']:.3f}x), {d.tok_per_s:.1f} tok/s, "
-                f"kernel {row['kernel']} (" + (f"write {row['write_s']:.1f} s, " if row["write_s"] else "")
-                + f"load {row['load_s']:.1f} s, perplexity {row['ppl_s']:.1f} s, decode {row['decode_s']:.1f} s)")
-
-        it = progress_bar(formats, len(formats), "demo formats", progress)
-        for fmt in it:
-            row = new_row(fmt, "auto")
-            path = note = None
-            t0 = time.perf_counter()
-            try:
-                res = writers.write_checkpoint(source, str(out_dir / fmt), fmt, group_size=group_size,
-                                               dtype=dtype)
-                path = getattr(res, "path", res)
-                tok.save_pretrained(path)   # a kept checkpoint is complete: hf-w4 eval takes it
-            except (ValueError, NotImplementedError) as e:
-                row.update(status="skipped", reason=_one_line(e))
-                log(f"{fmt}: skipped: {row['reason']}")
-            except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
-                row.update(status="failed", reason=f"write: {type(e).__name__}: {_one_line(e)}")
-                log(f"{fmt}: FAILED {row['reason']}")
-            if row["status"] == "ok":
-                row["write_s"] = time.perf_counter() - t0
-                skipped = getattr(res, "skipped", None)
-                note = f"{len(skipped)} layer(s) left dense" if skipped else ""
-                measure(row, path, note)
-            if fmt in w4a8:                          # the same checkpoint again, activations in int8 (W4A8)
-                arow = new_row(f"{fmt} +int8 act", "int8")
-                if path is None:
-                    arow.update(status="skipped", reason=f"no {fmt} checkpoint ({row['status']})")
-                    log(f"{arow['format']}: skipped: {arow['reason']}")
-                else:
-                    measure(arow, path, note)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return rows
+                try:
+                    res = writers.write_checkpoint(source, str(out_dir / fmt), fmt, group_size=group_size,
+                                                   dtype=dtype)
+                    path = getattr(res, "path", res)
+                    tok.save_pretrained(path)   # a kept checkpoint is complete: hf-w4 eval takes it
+                except (ValueError, NotImplementedError) as e:
+                    row.update(status="skipped", reason=_one_line(e))
+                    log(f"{fmt}: skipped: {row['reason']}")
+                except Exception as e:  # noqa: BLE001 - the demo reports every format, it does not stop
+                    row.update(status="failed", reason=f"write: {type(e).__name__}: {_one_line(e)}")
+                    log(f"{fmt}: FAILED {row['reason']}")
+                if row["status"] == "ok":
+                    row["write_s"] = time.perf_counter() - t0
+                    skipped = getattr(res, "skipped", None)
+                    note = f"{len(skipped)} layer(s) left dense" if skipped else ""
+                    measure(row, path, note)
+                if fmt in w4a8:                          # the same checkpoint again, activations in int8 (W4A8)
+                    arow = new_row(f"{fmt} +int8 act", "int8")
+                    if path is None:
+                        arow.update(status="skipped", reason=f"no {fmt} checkpoint ({row['status']})")
+                        log(f"{arow['format']}: skipped: {arow['reason']}")
+                    else:
+                        measure(arow, path, note)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return rows
 
 
 def _one_line(e: BaseException) -> str:
@@ -216,8 +220,8 @@ def _linear_bytes(model) -> int:
 def format_demo_table(rows: List[Dict]) -> str:
     """The demo table as aligned plain text (also valid GitHub markdown)."""
     mib = 1 / 2**20
-    head = ["format", "kernel", "memory packed / dense (MiB)", "perplexity (x dense)", "top-1 vs dense",
-            "decode tok/s (x dense)", "note"]
+    head = ["format (RTN)", "kernel", "memory packed / dense (MiB)", "perplexity (x dense)", "top-1 vs dense",
+            "decode tok/s [min-max] (x dense)", "note"]
     body = []
     for r in rows:
         if r["status"] != "ok":
@@ -225,11 +229,27 @@ def format_demo_table(rows: List[Dict]) -> str:
             continue
         mem = f"{r['packed_bytes'] * mib:.1f} / {r['dense_bytes'] * mib:.1f}" if r["dense_bytes"] else "-"
         body.append([r["format"], r["kernel"], mem, f"{r['perplexity']:.3f} ({r['ppl_ratio']:.3f}x)",
-                     f"{100 * r['top1']:.1f} %", f"{r['tok_per_s']:.1f} ({r['speedup']:.2f}x)", r["reason"]])
+                     f"{100 * r['top1']:.1f} %", f"{r['tok_per_s']:.1f} [{r['tok_per_s_min']:.1f}-"
+                     f"{r['tok_per_s_max']:.1f}] ({r['speedup']:.2f}x)", r["reason"]])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     lines = [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(b) for b in body]
     return "\n".join(lines)
+
+
+def format_demo_caption(rows: List[Dict]) -> str:
+    """What the table compares, in two sentences: how the formats were quantized and what the reference is."""
+    return ("Every format is quantized by hf_w4's writers with round-to-nearest (RTN, no calibration): the gptq, awq "
+            "and auto-round rows hold the same RTN weights in different layouts, not the results of the GPTQ, AWQ or "
+            f"AutoRound algorithms. Reference (perplexity ratio, top-1, speedup): {rows[0]['reference']}. Decode "
+            "tokens/s: the median of 3 timed runs, [min-max] their spread.")
+
+
+def _reference_text(src) -> str:
+    if models.is_converted(src):
+        return (f"the dense {models.DEFAULT_NAME}, i.e. its Q4_1 GGUF dequantized (exact in fp32), not the original "
+                "bf16 release")
+    return f"the dense model {src}"
 
 
 def format_demo_answers(rows: List[Dict], prompt: str = DEFAULT_PROMPT) -> str:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ... import log
 from ...report import layer_table
 from .dist import Dist
 from .text import DEFAULT_PROMPT
@@ -37,10 +38,8 @@ class PerplexityResult:
 
 
 def progress_bar(iterable, total, desc, enabled):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr)
+    """transformers' progress bar (``disable_progress_bar()`` hides it), or none when not ``enabled``."""
+    return log.progress(iterable, total=total, desc=desc) if enabled else iterable
 
 
 def _device_of(model) -> torch.device:
@@ -104,9 +103,12 @@ class DecodeResult:
     new_tokens: int          # tokens generated (fixed count, EOS is not a stop for timing)
     prefill_s: float         # prompt forward
     decode_s: float          # the new_tokens - 1 cached single-token steps, in total
-    tok_per_s: float         # 1 / median step time (robust to a busy machine)
-    mean_tok_per_s: float    # (new_tokens - 1) / decode_s
+    tok_per_s: float         # median over the repeats of 1 / median step time (robust to a busy machine)
+    mean_tok_per_s: float    # (new_tokens - 1) / decode_s, in the repeat that gave the median
     prompt_tokens: int
+    tok_per_s_min: float = 0.0   # the spread of tok_per_s over the repeats
+    tok_per_s_max: float = 0.0
+    repeats: int = 1
 
     def to_dict(self) -> Dict:
         return dataclasses.asdict(self)
@@ -127,13 +129,16 @@ def encode_prompt(tokenizer, prompt: str = DEFAULT_PROMPT, chat: bool = True) ->
 
 @torch.inference_mode()
 def decode(model, tokenizer, prompt: str = DEFAULT_PROMPT, new_tokens: int = 32, chat: bool = True,
-           warmup: bool = True) -> DecodeResult:
+           warmup: bool = True, repeats: int = 3) -> DecodeResult:
     """Greedy decoding with the KV cache, timed: one prompt forward, then ``new_tokens - 1`` single-token
-    steps. The count is fixed (EOS does not stop the loop), so tokens/s compare across models.
-    ``tok_per_s`` is 1 / the median step time (a shared machine's stalls do not skew it);
-    ``mean_tok_per_s`` is steps / total time. A 3-token warm-up run comes first."""
+    steps, ``repeats`` times. The count is fixed (EOS does not stop the loop), so tokens/s compare across models.
+    Per repeat, tokens/s is 1 / the median step time (a shared machine's stalls do not skew it); ``tok_per_s`` is
+    the median over the repeats and ``tok_per_s_min`` / ``tok_per_s_max`` their spread (one run can be 2x off on a
+    busy machine); ``mean_tok_per_s`` is steps / total time. A 3-token warm-up run comes first."""
     if new_tokens < 2:
         raise ValueError("new_tokens must be >= 2 to time decoding")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     dev = _device_of(model)
     ids = encode_prompt(tokenizer, prompt, chat).to(dev)
 
@@ -155,16 +160,21 @@ def decode(model, tokenizer, prompt: str = DEFAULT_PROMPT, new_tokens: int = 32,
 
     if warmup:
         run(3)
-    toks, pre, dec, steps_s = run(new_tokens)
-    med = statistics.median(steps_s)
+    runs = []
+    for _ in range(repeats):
+        toks, pre, dec, steps_s = run(new_tokens)
+        med = statistics.median(steps_s)
+        runs.append((1.0 / med if med > 0 else float("inf"), pre, dec))
+    speeds = sorted(r[0] for r in runs)
+    tok_per_s, pre, dec = sorted(runs)[(len(runs) - 1) // 2]     # the median run (the lower one of an even count)
     eos = getattr(tokenizer, "eos_token_id", None)
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     cut = next((i for i, t in enumerate(toks) if t in eos), len(toks))
     text = tokenizer.decode(toks[:cut], skip_special_tokens=True)
     return DecodeResult(text=text.strip(), new_tokens=new_tokens, prefill_s=pre, decode_s=dec,
-                        tok_per_s=1.0 / med if med > 0 else float("inf"),
-                        mean_tok_per_s=(new_tokens - 1) / dec if dec > 0 else float("inf"),
-                        prompt_tokens=ids.shape[1])
+                        tok_per_s=tok_per_s, mean_tok_per_s=(new_tokens - 1) / dec if dec > 0 else float("inf"),
+                        prompt_tokens=ids.shape[1], tok_per_s_min=speeds[0], tok_per_s_max=speeds[-1],
+                        repeats=repeats)
 
 
 def peak_rss_bytes() -> int:

@@ -7,6 +7,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from ...log import hidden_progress_bars
 from .dist import Dist
 from .metrics import decode, model_bytes, peak_rss_bytes, perplexity
 from .model import ACTIVATION_TEXT, activation_used, has_tokenizer, kernels_used, load_model, load_tokenizer, quant_format
@@ -29,54 +30,55 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
     after the checkpoint's own perplexity and decoding, before the reference is loaded: the reference then runs
     alone on the same windows against the checkpoint's argmax.
     """
-    if decode_tokens and decode_tokens < 2:
-        raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
-    dist = dist or Dist.detect()
-    t0 = time.perf_counter()
-    model = model if model is not None else load_model(path, dtype, activation)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-    load_s = time.perf_counter() - t0
-    text = text if text is not None else default_text()
-    use_bos = needs_bos(tokenizer, model.config) if bos == "auto" else bool(bos)
-    windows = make_windows(tokenizer, text, window, max_tokens, use_bos, model.config)
-    _check_ids(windows, model, path)
-    if reference is not None:           # before the long part: config and tokenizer only
-        if isinstance(reference, torch.nn.Module):
-            ref_config = reference.config
-        else:
-            from transformers import AutoConfig
-            ref_config = AutoConfig.from_pretrained(str(reference))
-        _check_reference(path, model, reference, ref_config, windows[:, 1:] if use_bos else windows, text)
-    ppl = perplexity(model, windows, None, dist, progress)
-    out = {"path": str(path), "format": quant_format(model), "kernels": kernels_used(model),
-           "activation": activation_used(model), "activation_requested": activation,
-           "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "world": dist.world,
-           "bos": use_bos,
-           "perplexity": ppl.ppl, "nll": ppl.nll, "tokens": ppl.tokens, "windows": ppl.windows,
-           "window": ppl.window, "top1_agreement": None, "reference_perplexity": None,
-           "reference": None if reference is None else str(getattr(reference, "name_or_path", reference)),
-           "memory": model_bytes(model)}
-    dec = None
-    if decode_tokens:
-        if dist.main:
-            dec = decode(model, tokenizer, prompt, decode_tokens)
-        dist.barrier()
-    if dec is not None:
-        out.update(answer=dec.text, decode_tok_per_s=dec.tok_per_s, decode_mean_tok_per_s=dec.mean_tok_per_s,
-                   prefill_s=dec.prefill_s,
-                   decode_tokens=dec.new_tokens)
-    rss = dist.per_rank(peak_rss_bytes())      # the checkpoint's own run, without the reference
-    out["peak_rss_bytes"] = int(max(rss))
-    out["peak_rss_bytes_per_rank"] = [int(r) for r in rss]
-    out["threads"] = torch.get_num_threads()
-    if reference is not None:
-        model = None                           # ours, if loaded here: freed before the reference comes in
-        gc.collect()
-        ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
-        ref = perplexity(ref_model, windows, ppl.argmax, dist, progress, desc="reference perplexity")
-        del ref_model
-        out.update(top1_agreement=ref.top1, reference_perplexity=ref.ppl)
-    return out
+    with hidden_progress_bars(not progress):   # progress=False hides transformers' loading bars too
+        if decode_tokens and decode_tokens < 2:
+            raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
+        dist = dist or Dist.detect()
+        t0 = time.perf_counter()
+        model = model if model is not None else load_model(path, dtype, activation)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        load_s = time.perf_counter() - t0
+        text = text if text is not None else default_text()
+        use_bos = needs_bos(tokenizer, model.config) if bos == "auto" else bool(bos)
+        windows = make_windows(tokenizer, text, window, max_tokens, use_bos, model.config)
+        _check_ids(windows, model, path)
+        if reference is not None:           # before the long part: config and tokenizer only
+            if isinstance(reference, torch.nn.Module):
+                ref_config = reference.config
+            else:
+                from transformers import AutoConfig
+                ref_config = AutoConfig.from_pretrained(str(reference))
+            _check_reference(path, model, reference, ref_config, windows[:, 1:] if use_bos else windows, text)
+        ppl = perplexity(model, windows, None, dist, progress)
+        out = {"path": str(path), "format": quant_format(model), "kernels": kernels_used(model),
+               "activation": activation_used(model), "activation_requested": activation,
+               "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "world": dist.world,
+               "bos": use_bos,
+               "perplexity": ppl.ppl, "nll": ppl.nll, "tokens": ppl.tokens, "windows": ppl.windows,
+               "window": ppl.window, "top1_agreement": None, "reference_perplexity": None,
+               "reference": None if reference is None else str(getattr(reference, "name_or_path", reference)),
+               "memory": model_bytes(model)}
+        dec = None
+        if decode_tokens:
+            if dist.main:
+                dec = decode(model, tokenizer, prompt, decode_tokens)
+            dist.barrier()
+        if dec is not None:
+            out.update(answer=dec.text, decode_tok_per_s=dec.tok_per_s, decode_mean_tok_per_s=dec.mean_tok_per_s,
+                       decode_tok_per_s_min=dec.tok_per_s_min, decode_tok_per_s_max=dec.tok_per_s_max,
+                       decode_repeats=dec.repeats, prefill_s=dec.prefill_s, decode_tokens=dec.new_tokens)
+        rss = dist.per_rank(peak_rss_bytes())      # the checkpoint's own run, without the reference
+        out["peak_rss_bytes"] = int(max(rss))
+        out["peak_rss_bytes_per_rank"] = [int(r) for r in rss]
+        out["threads"] = torch.get_num_threads()
+        if reference is not None:
+            model = None                           # ours, if loaded here: freed before the reference comes in
+            gc.collect()
+            ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
+            ref = perplexity(ref_model, windows, ppl.argmax, dist, progress, desc="reference perplexity")
+            del ref_model
+            out.update(top1_agreement=ref.top1, reference_perplexity=ref.ppl)
+        return out
 
 
 def _check_ids(windows: torch.Tensor, model, path) -> None:
@@ -119,8 +121,10 @@ def format_eval(r: Dict) -> str:
         lines.append(f"top-1        {100 * r['top1_agreement']:.2f} % agreement with {r['reference']} "
                      f"(reference perplexity {r['reference_perplexity']:.4f})")
     if r.get("decode_tok_per_s") is not None:
-        lines.append(f"decode       {r['decode_tok_per_s']:.1f} tokens/s ({r['decode_tokens']} greedy tokens, "
-                     f"{r['threads']} threads, prefill {r['prefill_s'] * 1000:.0f} ms)")
+        lines.append(f"decode       {r['decode_tok_per_s']:.1f} tokens/s, median of {r['decode_repeats']} runs "
+                     f"(min {r['decode_tok_per_s_min']:.1f}, max {r['decode_tok_per_s_max']:.1f}; "
+                     f"{r['decode_tokens']} greedy tokens, {r['threads']} threads, prefill "
+                     f"{r['prefill_s'] * 1000:.0f} ms)")
         lines.append(f"answer       {r['answer']!r}")
     m = r["memory"]
     mem = f"weights {m['total'] * mb:.1f} MiB"

@@ -7,9 +7,7 @@ from typing import Optional, Union
 import torch
 
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
-DEFAULT_WINDOW = 512
-DEFAULT_MAX_TOKENS = 4096
+from ..defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_WINDOW  # noqa: F401 (re-exported)
 BOS_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 

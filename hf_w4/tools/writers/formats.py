@@ -14,10 +14,19 @@ import torch
 from ... import layouts
 from ...formats.spec import W4Spec, matches
 
-# versions the written configs claim (the producer versions whose files these layouts were checked against)
-AUTOROUND_VERSION = "0.16.1"
-CT_VERSION = "0.19.0"
-MODELOPT_VERSION = "0.47.0"
+from ... import __version__
+
+# Labels. Where a format names who wrote the file, it names hf_w4 and its round-to-nearest quantization (WRITER),
+# never a producer release that did not write it. Two fields stay as the readers need them: compressed-tensors'
+# "version" (the compressed-tensors format these files follow, which its reader decodes by) and ModelOpt's
+# producer name "modelopt" (vLLM and TensorRT-LLM refuse an hf_quant_config.json from any other producer); next to
+# the latter, "written_by" says who did write it.
+WRITER = {"provider": "hf_w4", "hf_w4_version": __version__, "hf_w4_quantization": "round-to-nearest (RTN)"}
+CT_VERSION = "0.19.0"          # the compressed-tensors format version whose files these layouts were checked against
+MODELOPT_VERSION = "0.47.0"    # likewise for ModelOpt
+MODELOPT_PRODUCER = {"name": "modelopt", "version": MODELOPT_VERSION,
+                     "written_by": f"hf_w4 {__version__}, round-to-nearest (RTN), in ModelOpt {MODELOPT_VERSION}'s "
+                                   "layout"}
 # gptq checkpoint_format -> stores zero - 1 (GPTQ v1)
 GPTQ_CHECKPOINT_FORMATS = {"gptq": True, "gptq_v1": True, "gptq_v2": False}
 
@@ -77,9 +86,9 @@ def _dump(obj) -> str:
 # ---- auto-round (its gptq, auto_gptq and auto_awq exports) and AutoAWQ's GEMM layout
 def _gptq_config(c: ConfigInputs) -> dict:
     o = c.opts
-    q = {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int",
-         "autoround_version": AUTOROUND_VERSION, "provider": "auto-round", "lm_head": c.lm_quantized,
-         "quant_method": "gptq", "desc_act": o["desc_act"], "true_sequential": False, "damp_percent": 0.01}
+    q = {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int", **WRITER,
+         "lm_head": c.lm_quantized, "quant_method": "gptq", "desc_act": o["desc_act"], "true_sequential": False,
+         "damp_percent": 0.01}
     if o["checkpoint_format"] is not None:
         q["checkpoint_format"] = o["checkpoint_format"]
     if c.dense():  # auto-round's gptq export: GPTQModel-style negative "dynamic" entries
@@ -90,8 +99,8 @@ def _gptq_config(c: ConfigInputs) -> dict:
 def _autoround_config(packing: str) -> Callable[[ConfigInputs], dict]:
     def build(c: ConfigInputs) -> dict:
         o = c.opts
-        q = {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int",
-             "autoround_version": AUTOROUND_VERSION, "block_name_to_quantize": c.block_str,
+        q = {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int", **WRITER,
+             "block_name_to_quantize": c.block_str,
              "quant_method": "auto-round", "packing_format": packing}
         if c.block_str is None:
             q.pop("block_name_to_quantize")
@@ -110,8 +119,8 @@ def _autoround_config(packing: str) -> Callable[[ConfigInputs], dict]:
 
 def _awq_config(c: ConfigInputs) -> dict:
     o = c.opts
-    return {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int",
-            "autoround_version": AUTOROUND_VERSION, "provider": "auto-round", "quant_method": "awq",
+    return {"bits": 4, "group_size": o["group_size"], "sym": o["sym"], "data_type": "int", **WRITER,
+            "quant_method": "awq",
             "version": "gemm", "zero_point": not o["sym"],
             "modules_to_not_convert": [c.lm_name] + c.dense(in_block_only=True),
             **({"to_quant_block_names": c.block_str} if c.block_str else {})}
@@ -182,7 +191,9 @@ def _ct_int4_weights(o: dict) -> dict:
 def _ct_recipe(scheme: str) -> Callable[[dict], Dict[str, str]]:
     def files(q: dict) -> Dict[str, str]:
         ign = ", ".join(json.dumps(x) for x in q["ignore"])
-        return {"recipe.yaml": "default_stage:\n  default_modifiers:\n    QuantizationModifier:\n      targets: "
+        return {"recipe.yaml": f"# written by hf_w4 {__version__}: round-to-nearest (RTN), as llm-compressor's "
+                               "QuantizationModifier (no calibration)\n"
+                               "default_stage:\n  default_modifiers:\n    QuantizationModifier:\n      targets: "
                                f"[Linear]\n      ignore: [{ign}]\n      scheme: {scheme}\n"}
     return files
 
@@ -224,7 +235,7 @@ def _modelopt_config(algo: str) -> Callable[[ConfigInputs], dict]:
         if algo == "NVFP4":
             group["input_activations"] = dict(w)
         return {"quant_method": "modelopt", "quant_algo": algo,
-                "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+                "producer": dict(MODELOPT_PRODUCER),
                 "ignore": ([] if c.lm_quantized else [c.lm_name]) + [c.emb_name] + c.dense(),
                 "config_groups": {"group_0": group}}
     return build
@@ -232,7 +243,7 @@ def _modelopt_config(algo: str) -> Callable[[ConfigInputs], dict]:
 
 def _hf_quant_config(q: dict) -> Dict[str, str]:
     return {"hf_quant_config.json": _dump({
-        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+        "producer": dict(MODELOPT_PRODUCER),
         "quantization": {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": None, "group_size": 16,
                          "exclude_modules": list(q["ignore"])}})}
 
