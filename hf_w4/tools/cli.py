@@ -278,7 +278,7 @@ def _check_output(out: str, overwrite: bool) -> None:
     alone: the writer refuses to delete anything else)."""
     if not os.path.isdir(out):
         return
-    entries = sorted(os.listdir(out))
+    entries = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(out))
     if not entries or overwrite:
         return
     what = ""

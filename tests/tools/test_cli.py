@@ -247,4 +247,7 @@ def test_demo_real_model_quick(tmp_path):
         assert r["status"] == "ok", r
         assert 1.0 < r["ppl_ratio"] < 2.0, r                     # 4-bit g64 costs some, not everything
         assert r["packed_bytes"] < r["dense_bytes"]
+        assert r["tok_per_s_min"] <= r["tok_per_s"] <= r["tok_per_s_max"]
     assert "dense bfloat16" in p.stdout and "gptq" in p.stdout and "awq" in p.stdout
+    # what the rows are and what they are compared with
+    assert "round-to-nearest (RTN" in p.stdout and "Q4_1 GGUF dequantized" in p.stdout

@@ -34,7 +34,12 @@ def test_only_a_checkpoint_is_replaced(tiny, tmp_path, capsys):
     (out / "config.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
     (out / "runs" / "step1000.pt").write_text("x")
+    # without --overwrite a non-empty directory is refused, naming what it holds
     assert _convert(tiny, out, "--format", "gptq", "--group-size", "32") == 2
+    err = capsys.readouterr().err
+    assert "exists and is not empty (a dense checkpoint): config.json, notes.txt, runs/; pass --overwrite" in err, err
+    # with it, only the checkpoint files may go: the writer refuses, naming the others
+    assert _convert(tiny, out, "--format", "gptq", "--group-size", "32", "--overwrite") == 2
     err = capsys.readouterr().err
     assert "notes.txt" in err and "runs/" in err and "config.json" not in err.split("files:")[-1]
     assert (out / "notes.txt").read_text() == "mine" and (out / "runs" / "step1000.pt").exists()

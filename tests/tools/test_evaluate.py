@@ -248,15 +248,20 @@ def test_checkpoint_quant_method(tiny, tmp_path):
 def test_demo_table_formatting():
     rows = [dict(format="dense bfloat16", status="ok", reason="", kernel="torch (dense)", kernels={},
                  packed_bytes=2**20, dense_bytes=2**20, weights_bytes=2**21, perplexity=10.0, ppl_ratio=1.0,
-                 top1=1.0, tok_per_s=20.0, speedup=1.0, answer="Paris."),
+                 top1=1.0, tok_per_s=20.0, tok_per_s_min=18.0, tok_per_s_max=21.5, speedup=1.0, answer="Paris.",
+                 reference="the dense model m"),
             dict(format="gptq", status="ok", reason="", kernel="cpu_w4a16", kernels={"cpu_w4a16": 7},
                  packed_bytes=2**18, dense_bytes=2**20, weights_bytes=2**20, perplexity=11.0, ppl_ratio=1.1,
-                 top1=0.9, tok_per_s=30.0, speedup=1.5, answer="Paris!"),
+                 top1=0.9, tok_per_s=30.0, tok_per_s_min=29.0, tok_per_s_max=33.0, speedup=1.5, answer="Paris!"),
             dict(format="ct-nvfp4", status="skipped", reason="K=576 not divisible by 128", answer="")]
     t = E.format_demo_table(rows)
     lines = t.splitlines()
     assert len(lines) == 5 and len({len(x) for x in lines}) == 1           # aligned markdown table
-    assert "11.000 (1.100x)" in t and "30.0 (1.50x)" in t and "skipped: K=576" in t and "0.2 / 1.0" in t
+    assert "11.000 (1.100x)" in t and "30.0 [29.0-33.0] (1.50x)" in t and "skipped: K=576" in t and "0.2 / 1.0" in t
+    assert "format (RTN)" in lines[0] and "decode tok/s [min-max]" in lines[0]
+    caption = E.format_demo_caption(rows)
+    assert "round-to-nearest (RTN" in caption and "the same RTN weights in different layouts" in caption
+    assert "Reference (perplexity ratio, top-1, speedup): the dense model m." in caption and "median of 3" in caption
     a = E.format_demo_answers(rows)
     assert "'Paris!'" in a and "ct-nvfp4" not in a
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ... import layouts
 from ...loading import moe
+from ...log import progress
 from ...nn import plain_linear
 from ..rtn import E2M1_MAX, FP8_MAX, RTNResult, quantize_rtn
 from . import files
@@ -179,9 +180,8 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
         rtn: Dict[str, RTNResult] = {}
         gen = torch.Generator().manual_seed(int(seed))
         amax_in = measure_input_amax(model, plans, input_amax, seed) if f.input_scale else {}
-        for p in plans.values():
-            if p.spec is None:
-                continue
+        todo = [p for p in plans.values() if p.spec is not None]
+        for p in progress(todo, desc=f"quantizing ({fmt}, RTN)", unit="layer"):
             mod = mods[p.name]
             w = mod.weight.detach().to("cpu", torch.float32)
             g_idx = None
