@@ -107,6 +107,12 @@ class _ThreadDist(E.Dist):
         super().__init__(rank, world)
         self.shared = shared
 
+    def split(self, items):
+        """accelerate's split_between_processes rule, for a world accelerate does not know"""
+        per, extra = divmod(len(items), self.world)
+        start = self.rank * per + min(self.rank, extra)
+        return items[start: start + per + (self.rank < extra)]
+
     def all_reduce_sum(self, t):
         s = self.shared
         with s["lock"]:

@@ -12,8 +12,8 @@ Perplexity method (fixed, so numbers are comparable between formats and runs):
 * every window is one forward pass with batch size 1; the loss is the mean NLL of all predicted tokens
   (``window - 1`` per window) and perplexity = ``exp(mean NLL)``.
 
-Data parallel: under ``accelerate launch`` (or any initialized ``torch.distributed`` group) the windows are
-dealt round-robin to the ranks, per-window sums are combined with an all-reduce over a zero-filled
+Data parallel: under ``accelerate launch`` the windows are split into contiguous shares (accelerate's
+``split_between_processes``), per-window sums are combined with accelerate's ``reduce`` over a zero-filled
 per-window vector (adding exact zeros), and the totals are summed in window order on every rank; the result
 is the same as the single-process run (bit for bit once ``HF_W4_LARGE_PATH`` fixes cpu_w4a16's large-M path, which
 each process otherwise times for itself; see README).

@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class Dist:
-    """Rank/world of this process and the two collectives the evaluation needs (no-ops for one process)."""
+    """Rank/world of this process, its share of the work and the collectives the evaluation needs, through
+    accelerate (no-ops for one process)."""
 
     def __init__(self, rank: int = 0, world: int = 1):
         self.rank, self.world = rank, world
@@ -33,17 +34,28 @@ class Dist:
     def main(self) -> bool:
         return self.rank == 0
 
+    def split(self, items: list) -> list:
+        """This rank's share of ``items``, contiguous and in order (accelerate's ``split_between_processes``: the
+        first ``len(items) % world`` ranks get one more)."""
+        if self.world == 1:
+            return list(items)
+        from accelerate import PartialState
+        with PartialState().split_between_processes(list(items)) as mine:
+            return list(mine)
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, in place (accelerate's ``reduce``)."""
         if self.world > 1:
-            import torch.distributed as td
-            td.all_reduce(t, op=td.ReduceOp.SUM)
+            from accelerate.utils import reduce
+            t.copy_(reduce(t, reduction="sum"))
         return t
 
     def per_rank(self, value: float) -> List[float]:
-        """Every rank's ``value`` (as a list indexed by rank), on every rank."""
-        t = torch.zeros(self.world, dtype=torch.float64)
-        t[self.rank] = float(value)
-        return self.all_reduce_sum(t).tolist()
+        """Every rank's ``value`` (as a list indexed by rank), on every rank (accelerate's ``gather_object``)."""
+        if self.world == 1:
+            return [float(value)]
+        from accelerate.utils import gather_object
+        return [float(v) for v in gather_object([float(value)])]
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -58,7 +58,7 @@ def perplexity(model, windows: torch.Tensor, reference=None, dist: Optional[Dist
     splits the windows between ranks; every rank returns the same, complete result, including ``argmax``."""
     dist = dist or Dist.detect()
     n, length = windows.shape
-    mine = list(range(dist.rank, n, dist.world))
+    mine = dist.split(list(range(n)))
     # per window: nll sum, predicted tokens, agreeing positions, reference nll sum
     stats = torch.zeros(4, n, dtype=torch.float64)
     top = torch.zeros(n, length - 1, dtype=torch.int64)
@@ -184,14 +184,9 @@ def peak_rss_bytes() -> int:
 
 
 def model_bytes(model) -> Dict[str, int]:
-    """Memory of a loaded model: ``total`` (parameters + buffers), and for hf_w4 ``QuantLinear`` layers
-    ``packed`` (what they hold) vs ``dense`` (the same layers as bf16 Linear weights)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen or t.device.type == "meta":
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+    """Memory of a loaded model: ``total`` (parameters + buffers: transformers' ``get_memory_footprint``), and for
+    hf_w4 ``QuantLinear`` layers ``packed`` (what they hold) vs ``dense`` (the same layers as bf16 Linear weights)."""
+    total = int(model.get_memory_footprint(return_buffers=True))
     packed = dense = layers = 0
     for r in layer_table(model):
         packed += int(r["packed_bytes"])
