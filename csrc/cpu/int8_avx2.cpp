@@ -314,8 +314,8 @@ struct TAvx2 {
         float v = cf[r * NR + n] * sxs;
         if (bias) v += bias[n];
         if (ot == OUT_F32) ((float*)out)[r * ldo + n] = v;
-        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16(v);
-        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16(v);
+        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16_bits(v);
+        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16_bits(v);
       }
     }
   }
@@ -337,7 +337,7 @@ HF_TAVX2I int32_t hsum8(__m256i v) {
 
 inline float x1(const char* xr, int t, int64_t c) {
   return t == OUT_F32 ? ((const float*)xr)[c]
-         : t == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c]) : f16_to_f32(((const uint16_t*)xr)[c]);
+         : t == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[c]) : f16_bits_to_f32(((const uint16_t*)xr)[c]);
 }
 
 // the abs_bits maximum of p[0..n) (see act_scale)

@@ -3,16 +3,12 @@
 #include "int8_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "simd512.h"
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "common/simd512.h"
 
 #include <cstring>
 
-#include "amx_tiles.h"
-#include "avx512_convert.h"
+#include "common/amx_tiles.h"
+#include "common/convert.h"
 #include "int8_gemm.h"
 
 #ifndef HF_W4_EMULATE_AVX512
@@ -315,8 +311,8 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         for (int64_t j = 0; j < K; ++j) {
           const int64_t c = q.perm[j];
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[c]
-                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c])
-                                           : f16_to_f32(((const uint16_t*)xr)[c]);
+                   : q.in_type == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[c])
+                                           : f16_bits_to_f32(((const uint16_t*)xr)[c]);
         }
       }
       // max |x| of the vector part (abs_bits), fused into the copy when there is no perm
@@ -341,8 +337,8 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         have_mx = true;
         for (; j < K; ++j)
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
-                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[j])
-                                           : f16_to_f32(((const uint16_t*)xr)[j]);
+                   : q.in_type == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[j])
+                                           : f16_bits_to_f32(((const uint16_t*)xr)[j]);
       }
       float s_tok = 0.f;
       if (!q.act_group) {
@@ -447,7 +443,7 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 // spread over its steps, M=1024 10.04 / 12.11; row chunks of 512 / 1024 rows, M=1024 10.05 / 9.90 / 10.56; K slices
 // of 256 / 1024 (W8A8 too), M=1024 10.56 / 12.58 / 10.67. Upper bounds (wrong results): without the epilogue M=1024
 // 10.0 -> 8.6, without the next-slice conversion 10.0 -> 8.65 (W8A8 7.96 -> 5.96).
-// Used only when the CPU and the OS allow it (see amx_usable).
+// Used only when the CPU and the OS allow it (cpu_caps().amx_int8).
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
@@ -721,31 +717,9 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
   _tile_release();
 }
 
-bool amx_request() {
-#if defined(__linux__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
-  // Linux: ask for the XTILEDATA state component (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18)
-  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
-
-bool amx_usable() {
-  static const bool ok = amx_request();
-  return ok;
-}
-
-bool amx_eligible(const Plan& p) { return p.g.Gp % 64 == 0; }
 
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { amx_items(p, i0, i1); }
-
-namespace {
-}  // namespace
 
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { run_items<T512>(p, i0, i1); }
 void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_impl(q, t0, t1); }
@@ -756,8 +730,6 @@ void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tile
 namespace hf_w4_int8 {
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
 void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_generic(q, t0, t1); }
-bool amx_usable() { return false; }
-bool amx_eligible(const Plan&) { return false; }
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
 }  // namespace hf_w4_int8
 #endif

@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/convert.h"
+
 namespace hf_w4_int8 {
 
 constexpr int NR = 64;
@@ -29,10 +31,9 @@ enum Isa : int { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3 
 enum OutType : int { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
 enum WType : int { W_INT8 = 0, W_INT4 = 1 };
 
-int best_isa();                 // best ISA of this CPU
-bool isa_available(int isa);
+// The kernel variants; the ISA level (common/cpu_features.h) picks one: avx512 -> ISA_AVX512, avx2 -> ISA_AVXVNNI
+// where the CPU has AVX-VNNI, else ISA_AVX2 (vpdpbusd emulated), generic -> ISA_GENERIC.
 const char* isa_name(int isa);
-int resolve_isa(int requested); // -1 = auto (env HF_W4_ISA honoured); returns -1 - isa if unavailable
 
 // per-thread scratch (64-byte aligned, grows; slot 0..3)
 void* thread_scratch(int slot, size_t bytes);
@@ -90,10 +91,8 @@ void quant_tiles_avx2(const QuantArgs& q, int64_t t0, int64_t t1);
 void gemm_items_generic(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx2(const Plan& p, int64_t i0, int64_t i1, bool vnni);
-// AMX-INT8 (Intel): any weight type, groups of a multiple of 64 (Gp % 64 == 0), activations quantized with
+// AMX-INT8 (Intel; only when cpu_caps().amx_int8): any weight type, groups of a multiple of 64 (Gp % 64 == 0), activations quantized with
 // QuantArgs::rowmajor (16-row blocks of 16x64-byte tiles), row chunks (Plan::mchunk) a multiple of 16
-bool amx_usable();
-bool amx_eligible(const Plan& p);
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1);
 
 // ---- per row tile arguments of a micro-kernel call
@@ -147,17 +146,10 @@ inline float act_scale(uint32_t amax_bits) {
   return s == 0.f ? 1.f : s;
 }
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16; float f; __builtin_memcpy(&f, &u, 4); return f;
-}
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u; __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-float f16_to_f32(uint16_t h);
-uint16_t f32_to_f16(float f);
+using hf_w4::bf16_bits_to_f32;
+using hf_w4::f16_bits_to_f32;
+using hf_w4::f32_to_bf16_bits;
+using hf_w4::f32_to_f16_bits;
 
 // The driver shared by all ISAs: T provides MR, tile(const TileArgs&), decode(src, dst, nq2),
 // store_rows(...). Instantiated in each ISA's .cpp (the driver itself needs no special ISA).

@@ -1,4 +1,4 @@
-// hf_w4 int8 kernel: ISA detection, repacking, and the portable C++ path (always compiled and tested).
+// hf_w4 int8 kernel: repacking and the portable C++ path (always compiled and tested).
 // No torch headers.
 #include <cfloat>
 #include <cmath>
@@ -6,52 +6,13 @@
 #include <cstring>
 #include <memory>
 
-#include "aligned_buf.h"
+#include "common/aligned_buf.h"
 #include "int8_gemm.h"
-#include "isa.h"
 
 namespace hf_w4_int8 {
 
 // ------------------------------------------------------------------------------------------------
-// ISA
-
-static bool has_avx512() {
-#if defined(__x86_64__) || defined(__i386__)
-  return HF_W4_CPU_HAS_AVX512("avx512f") && HF_W4_CPU_HAS_AVX512("avx512bw") && HF_W4_CPU_HAS_AVX512("avx512vl") &&
-         HF_W4_CPU_HAS_AVX512("avx512dq") && HF_W4_CPU_HAS_AVX512("avx512vnni");
-#else
-  return false;
-#endif
-}
-static bool has_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
-bool isa_available(int isa) {
-  switch (isa) {
-    case ISA_GENERIC: return true;
-    case ISA_AVX2: return has_avx2();
-    case ISA_AVXVNNI:
-#if defined(__x86_64__) || defined(__i386__)
-      return has_avx2() && __builtin_cpu_supports("avxvnni");
-#else
-      return false;
-#endif
-    case ISA_AVX512: return has_avx512();
-  }
-  return false;
-}
-
-int best_isa() {
-  if (isa_available(ISA_AVX512)) return ISA_AVX512;
-  if (isa_available(ISA_AVXVNNI)) return ISA_AVXVNNI;
-  if (isa_available(ISA_AVX2)) return ISA_AVX2;
-  return ISA_GENERIC;
-}
+// ISA (detection and HF_W4_ISA: common/cpu_features.h)
 
 const char* isa_name(int isa) {
   switch (isa) {
@@ -61,27 +22,6 @@ const char* isa_name(int isa) {
     case ISA_AVX512: return "avx512";
   }
   return "?";
-}
-
-int resolve_isa(int requested) {
-  static const int best = best_isa();
-  if (requested < 0) {
-    // env HF_W4_ISA caps the choice (same names as the other hf_w4 CPU kernels): avx512 | avx2 | generic;
-    // "avx2" means AVX2 with AVX-VNNI when the CPU has it. "avxvnni" / "avx2novnni" are accepted too.
-    const char* e = std::getenv("HF_W4_ISA");
-    if (!e || !*e || std::strcmp(e, "auto") == 0) return best;
-    int cap;
-    if (!std::strcmp(e, "avx512")) cap = ISA_AVX512;
-    else if (!std::strcmp(e, "avx2") || !std::strcmp(e, "avxvnni")) cap = ISA_AVXVNNI;
-    else if (!std::strcmp(e, "avx2novnni")) cap = ISA_AVX2;
-    else if (!std::strcmp(e, "generic")) cap = ISA_GENERIC;
-    else return -100;
-    for (int i = cap; i > 0; --i)
-      if (isa_available(i)) return i;
-    return ISA_GENERIC;
-  }
-  if (requested > ISA_AVX512 || !isa_available(requested)) return -1 - requested;
-  return requested;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -226,54 +166,12 @@ void repack_scales(const Geometry& g, const float* s, int64_t lds, const float* 
 }
 
 // ------------------------------------------------------------------------------------------------
-// half precision (portable)
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-  if (e == 0) {
-    if (m == 0) u = sign;
-    else {  // subnormal
-      int sh = 0;
-      while (!(m & 0x400)) { m <<= 1; ++sh; }
-      m &= 0x3ff;
-      u = sign | ((uint32_t)(127 - 15 + 1 - sh) << 23) | (m << 13);
-    }
-  } else if (e == 31) {
-    u = sign | 0x7f800000u | (m << 13);
-  } else {
-    u = sign | ((e + 127 - 15) << 23) | (m << 13);
-  }
-  float f; std::memcpy(&f, &u, 4); return f;
-}
-
-uint16_t f32_to_f16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00;
-  if (a >= 0x477ff000u) return sign | 0x7c00;  // rounds to inf
-  if (a < 0x38800000u) {  // subnormal or zero in fp16
-    if (a < 0x33000000u) return sign;  // < 2^-25 -> 0 (2^-25 exactly ties to even 0)
-    const uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000;
-    const int shift = 126 - (int)e;  // value = m * 2^(e-150); fp16 subnormal unit 2^-24 -> m >> (126 - e)
-    uint32_t r = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1))) ++r;
-    return sign | (uint16_t)r;
-  }
-  uint32_t r = a - 0x38000000u;  // rebias exponent (127-15)<<23
-  r += 0xfffu + ((r >> 13) & 1u);
-  return sign | (uint16_t)(r >> 13);
-}
-
-// ------------------------------------------------------------------------------------------------
 // activation quantization (portable)
 
 static inline float load_x(const void* x, int t, int64_t i) {
   if (t == OUT_F32) return ((const float*)x)[i];
-  if (t == OUT_BF16) return bf16_to_f32(((const uint16_t*)x)[i]);
-  return f16_to_f32(((const uint16_t*)x)[i]);
+  if (t == OUT_BF16) return bf16_bits_to_f32(((const uint16_t*)x)[i]);
+  return f16_bits_to_f32(((const uint16_t*)x)[i]);
 }
 
 void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
@@ -390,8 +288,8 @@ struct GenericT {
         float v = cf[r * NR + n] * sx;
         if (bias) v += bias[n];
         if (ot == OUT_F32) ((float*)out)[r * ldo + n] = v;
-        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16(v);
-        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16(v);
+        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16_bits(v);
+        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16_bits(v);
       }
     }
   }

@@ -1,6 +1,6 @@
 // hf_w4 W4A16: AMX-BF16 kernel for bf16 activations (Intel Sapphire Rapids and later). Raw pointers only, no
-// torch headers; only called after w4a16_amx_available() (CPUID + XCR0 + the Linux ARCH_REQ_XCOMP_PERM request
-// for tile data), so nothing here runs on other CPUs.
+// torch headers; only called when cpu_caps().amx_bf16 (CPUID + XCR0 + Linux's tile-data permission), so nothing
+// here runs on other CPUs.
 // Per 32-column panel and 16 k-pairs: the packed bytes are decoded to fp32 with the group scale (and zero)
 // folded in, rounded to bf16 straight into two VNNI-2 B tiles (16 k-pair rows x 16 columns x 2 k parities;
 // the packed layout's (column, parity) lanes are exactly that order, so no shuffles), and multiplied with a
@@ -20,21 +20,18 @@
 // (1.3-2x slower, on an older kernel; the 256-k sub-chunks of the tile loop decode nothing), whole-panel decode
 // per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart alias in L1: packed A makes
 // every tile load 1 KiB of contiguous memory).
+#include "common/cpu_features.h"
+#if HF_W4_X86
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#if defined(__linux__) && defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "amx_tiles.h"
-#include "isa.h"
+#include "common/amx_tiles.h"
+#include "common/cpu_features.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -48,32 +45,9 @@
 
 namespace hf_w4 {
 
-bool w4a16_amx_available() {
-  static const bool perm = [] {
-#if defined(__linux__) && defined(__x86_64__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG + XTILEDATA enabled by the OS
-    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide permission to use tile data
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return false;
-#endif
-  }();
-  return perm;
-}
-
 bool w4a16_amx_fp16_available() {
-#if HF_W4_FP16_DECODE && defined(__linux__) && defined(__x86_64__)
-  static const bool ok = [] {
-    if (env_switched_off("HF_W4_AMX_FP16")) return false;  // the fp32 decode (amx_small_folded) instead
-    unsigned a, b, c, d;
-    return w4a16_amx_available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 23));  // AVX512-FP16
-  }();
+#if HF_W4_FP16_DECODE
+  static const bool ok = !env_switched_off("HF_W4_AMX_FP16") && cpu_caps().amx_bf16 && cpu_caps().avx512_fp16;
   return ok;
 #else
   return false;
@@ -116,8 +90,7 @@ struct FoldedDecoder {
   __m512i dupA, dupB;
   explicit FoldedDecoder(const W4Gemm& gg) : g(gg) {
     alignas(64) float lt[16];
-    for (int c = 0; c < 16; ++c)
-      lt[c] = MODE == W4_NVFP4 ? kE2M1[c] : MODE == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+    for (int c = 0; c < 16; ++c) lt[c] = w4_code_value(MODE, c);
     lut = _mm512_load_ps(lt);
     dupA = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
@@ -577,26 +550,33 @@ void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe
 }
 
 // xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 on the raw-code
-// kernel (w4a16_amx_raw_ok)
-bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) {
-  return M <= kAmxSmallMaxM && g.mode != W4_NVFP4 && g.gs % 32 == 0;
-}
-
+// kernel (amx_raw_codes)
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
-  if (w4a16_amx_raw_ok(g, M)) {
-    if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM>(g, xa, xsum, M, p0, p1);
-    else amx_small_raw<W4_SYM>(g, xa, xsum, M, p0, p1);
-  } else if (M <= kAmxSmallMaxM) {
-    if (g.mode == W4_NVFP4) amx_small_folded<W4_NVFP4>(g, xa, M, p0, p1);
-    else if (g.mode == W4_ASYM) amx_small_folded<W4_ASYM>(g, xa, M, p0, p1);
-    else amx_small_folded<W4_SYM>(g, xa, M, p0, p1);
-  } else if (g.mode == W4_NVFP4) {
-    amx_impl<W4_NVFP4>(g, xa, M, p0, p1);
-  } else if (g.mode == W4_ASYM) {
-    amx_impl<W4_ASYM>(g, xa, M, p0, p1);
-  } else {
-    amx_impl<W4_SYM>(g, xa, M, p0, p1);
-  }
+  with_mode(g.mode, [&](auto m) {
+    constexpr int MODE = decltype(m)::value;
+    if constexpr (MODE != W4_NVFP4) {
+      if (amx_raw_codes(MODE, g.gs, M)) return amx_small_raw<MODE>(g, xa, xsum, M, p0, p1);
+    }
+    if (M <= kAmxSmallMaxM) amx_small_folded<MODE>(g, xa, M, p0, p1);
+    else amx_impl<MODE>(g, xa, M, p0, p1);
+  });
 }
 
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AMX)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_amx() {
+  throw std::runtime_error("hf_w4: the AMX W4A16 kernels are not built for this CPU architecture");
+}
+bool w4a16_amx_fp16_available() { return false; }
+void w4a16_amx_pack_a(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) { no_amx(); }
+void w4a16_amx_pack_a_pow2(const uint16_t*, int64_t, int64_t, uint16_t*, float*, int64_t, int64_t) { no_amx(); }
+void w4a16_amx_nvfp4_fp16(const W4Gemm&, const uint16_t*, const float*, int64_t, int64_t, int64_t) { no_amx(); }
+void w4a16_fused_amx(const W4Gemm&, const uint16_t*, const float*, int64_t, int64_t, int64_t) { no_amx(); }
+}  // namespace hf_w4
+#endif

@@ -1,5 +1,7 @@
-// hf_w4 W4A16: AVX2 + FMA kernels (fp32 activations). Raw pointers only, no torch headers; only
-// called after a run-time check (isa.h).
+// hf_w4 W4A16: AVX2 kernels (the avx2 level of common/cpu_features.h). Raw pointers only, no torch headers; only
+// called when that level was chosen at run time. Design: docs/cpu-kernels.md.
+#include "common/cpu_features.h"
+#if HF_W4_X86
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -129,12 +131,7 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
       const float* x0 = x + r0 * K;
       const float* xs0 = xsum ? xsum + r0 * G : nullptr;
       float* rr = res.data() + r0 * W4_NP;
-      switch (mr) {
-        case 1: panel_rows<1, MODE>(g, q, x0, K, xs0, p, rr); break;
-        case 2: panel_rows<2, MODE>(g, q, x0, K, xs0, p, rr); break;
-        case 3: panel_rows<3, MODE>(g, q, x0, K, xs0, p, rr); break;
-        default: panel_rows<4, MODE>(g, q, x0, K, xs0, p, rr); break;
-      }
+      with_rows<1, 2, 3, 4>(mr, [&](auto r) { panel_rows<decltype(r)::value, MODE>(g, q, x0, K, xs0, p, rr); });
     }
     for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
   }
@@ -779,14 +776,9 @@ void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const i
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (scales, zero points and the global scale folded in).
 // Per k-pair and 16-byte half h (columns 8h..8h+7 and 16+8h..): a vpshufb splits the bytes by k parity, the
 // nibbles widen to 32-bit lanes = 8 consecutive columns of one k-row. Partial last panels take the portable code.
-inline void store8_bf16x2(uint16_t* d, __m256 a, __m256 b) {  // 16 fp32 -> bf16 (round to nearest even)
-  auto rnd = [](__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  };
-  const __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(rnd(a), rnd(b)), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), pk);
+inline void store8_bf16x2(uint16_t* d, __m256 a, __m256 b) {  // 16 fp32 -> bf16 (common/convert.h)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d), f32x8_to_bf16(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 8), f32x8_to_bf16(b));
 }
 
 template <int MODE>
@@ -855,17 +847,13 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
 
 // xsum [M][G] is required for int4 (sym and asym) on this path
 void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
-  else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
-  else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_impl<decltype(m)::value>(g, x, M, xsum, p0, p1); });
 }
 
 // large-M dequantization on AVX2 machines uses the portable code (it is amortised over M rows)
 void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1);
-  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1);
-  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_i16_impl<decltype(m)::value>(g, xq, xs, xd, M, ag, p0, p1); });
 }
 
 // as w4a16_quant_x16_generic (the same numbers: round half to even, saturated, the sums of the saturated values),
@@ -924,9 +912,7 @@ bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_
 }
 
 void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
-  else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);
-  else dequant_impl<W4_SYM>(g, dst, dst_dtype, ldd, p0, p1);
+  with_mode(g.mode, [&](auto m) { dequant_impl<decltype(m)::value>(g, dst, dst_dtype, ldd, p0, p1); });
 }
 
 }  // namespace hf_w4
@@ -967,3 +953,23 @@ void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1) {
   }
 }
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AVX2)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_avx2() {
+  throw std::runtime_error("hf_w4: the AVX2 W4A16 kernels are not built for this CPU architecture");
+}
+void w4a16_fused_avx2(const W4Gemm&, const float*, int64_t, const float*, int64_t, int64_t) { no_avx2(); }
+void w4a16_fused_i16_avx2(const W4Gemm&, const int16_t*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t) { no_avx2(); }
+bool w4a16_quant_x16_avx2(const void*, int, int64_t, int64_t, int64_t, int64_t, int16_t*, float*, int32_t*) {
+  no_avx2();
+}
+void w4a16_dequant_avx2(const W4Gemm&, void*, int, int64_t, int64_t, int64_t) { no_avx2(); }
+void w4a16_repack_awq_codes_avx2(const W4Repack&, int64_t, int64_t) { no_avx2(); }
+}  // namespace hf_w4
+#endif

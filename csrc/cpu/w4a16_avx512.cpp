@@ -1,17 +1,20 @@
-// hf_w4 W4A16: AVX-512 (F/BW/VL + BF16) kernels. Raw pointers only, no torch headers; only called
-// after a run-time check (isa.h), so nothing here leaks into code run on other CPUs.
-#ifndef HF_W4_EMULATE_AVX512  // (the test-only emulated build: simd512.h)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,bmi2")
+// hf_w4 W4A16: AVX-512 kernels (the avx512 level of common/cpu_features.h: F/BW/VL/DQ/VNNI; VBMI where the CPU has
+// it). Raw pointers only, no torch headers; only called when that level was chosen at run time. Design:
+// docs/cpu-kernels.md.
+#include "common/cpu_features.h"
+#if HF_W4_X86
+#ifndef HF_W4_EMULATE_AVX512  // (the test-only emulated build: common/simd512.h)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi2")
 #endif
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include "simd512.h"
+#include "common/simd512.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
+#include "common/cpu_features.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -21,8 +24,7 @@ namespace {
 
 __m512 f32_lut(int mode) {
   alignas(64) float t[16];
-  for (int c = 0; c < 16; ++c)
-    t[c] = mode == W4_NVFP4 ? kE2M1[c] : mode == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+  for (int c = 0; c < 16; ++c) t[c] = w4_code_value(mode, c);
   return _mm512_load_ps(t);
 }
 
@@ -131,14 +133,7 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
       const float* x0 = x + r0 * K;
       const float* xs0 = xsum ? xsum + r0 * G : nullptr;
       float* rr = res.data() + r0 * W4_NP;
-      switch (mr) {
-        case 1: panel_rows<1, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 2: panel_rows<2, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 3: panel_rows<3, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 4: panel_rows<4, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 5: panel_rows<5, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        default: panel_rows<6, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-      }
+      with_rows<1, 2, 3, 4, 5, 6>(mr, [&](auto r) { panel_rows<decltype(r)::value, MODE>(g, q, x0, K, xs0, p, lut, rr); });
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
   }
@@ -357,14 +352,7 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
       const int16_t* x0 = xq + r0 * K;
       const float* s0 = xs + r0 * nab;
       const int32_t* d0 = xd + r0 * nab;
-      switch (mr) {
-        case 8: panel_rows_i16<8, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-        case 6: panel_rows_i16<6, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-        case 1: panel_rows_i16<1, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-        case 2: panel_rows_i16<2, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-        case 3: panel_rows_i16<3, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-        default: panel_rows_i16<4, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
-      }
+      with_rows<8, 6, 1, 2, 3, 4>(mr, [&](auto r) { panel_rows_i16<decltype(r)::value, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); });
       for (int64_t m = 0; m < mr; ++m) store_row_avx512(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
     }
   }
@@ -628,13 +616,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
         const int16_t* x0 = xq + r0 * K + blk * L;
         const float* s0 = xs + r0 * nab + blk;
         float* o0 = o + r0 * W4_NP;
-        switch (mr) {
-          case 8: rows_i16<8>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 4: rows_i16<4>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 3: rows_i16<3>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 2: rows_i16<2>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          default: rows_i16<1>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-        }
+        with_rows<8, 4, 3, 2, 1>(mr, [&](auto r) { rows_i16<decltype(r)::value>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); });
       }
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, c0 + m, p * W4_NP, o + m * W4_NP, W4_NP);
@@ -643,6 +625,11 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
 #pragma GCC pop_options
 
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (k-rows, columns contiguous), scales folded
+// 32 fp32 (lo: columns 0..15, hi: 16..31) -> 32 bf16 (common/convert.h rounding; needs no AVX512-BF16)
+inline __m512i bf16x32(__m512 lo, __m512 hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(f32x16_to_bf16(lo)), f32x16_to_bf16(hi), 1);
+}
+
 template <int MODE>
 void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, kpg = g.gs / 2;
@@ -700,8 +687,8 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
         const __m512 e1 = _mm512_permutex2var_ps(v[1], ev, v[3]), o1 = _mm512_permutex2var_ps(v[1], od, v[3]);
         if (bf) {
           uint16_t* d = static_cast<uint16_t*>(dst) + 2 * j * ldd + col0;
-          _mm512_mask_storeu_epi16(d, mkb, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-          _mm512_mask_storeu_epi16(d + ldd, mkb, (__m512i)_mm512_cvtne2ps_pbh(o1, o0));
+          _mm512_mask_storeu_epi16(d, mkb, bf16x32(e0, e1));
+          _mm512_mask_storeu_epi16(d + ldd, mkb, bf16x32(o0, o1));
         } else {
           float* d = static_cast<float*>(dst) + 2 * j * ldd + col0;
           _mm512_mask_storeu_ps(d, mk0, e0);
@@ -718,30 +705,24 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
 }  // namespace
 
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
-  else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
-  else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_impl<decltype(m)::value>(g, x, M, xsum, p0, p1); });
 }
 
 // HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
-static bool vbmi_enabled() {
-  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && HF_W4_CPU_HAS_AVX512("avx512vbmi");
+bool w4a16_vbmi_enabled() {
+  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && cpu_caps().avx512_vbmi;
   return vbmi;
 }
 
-bool w4a16_i16_nvfp4_folded(int64_t M) { return M > 8 && vbmi_enabled(); }
-
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1) {
-  const bool vbmi = vbmi_enabled();
-  if (g.mode == W4_NVFP4 && ag > 16) {  // w4a16_i16_nvfp4_folded
+  const bool vbmi = w4a16_vbmi_enabled();
+  if (g.mode == W4_NVFP4 && ag > 16) {  // block scales folded in (w4a16_path.h, i16_block)
     fused_i16_nvfp4_folded_vbmi(g, xq, xs, M, ag, p0, p1);
     return;
   }
   if (g.mode == W4_NVFP4 && vbmi) fused_i16_nvfp4_vbmi(g, xq, xs, xd, M, ag, p0, p1);
-  else if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_NVFP4>());
-  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_ASYM>());
-  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_SYM>());
+  else with_mode(g.mode, [&](auto m) { fused_i16_impl<decltype(m)::value>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<decltype(m)::value>()); });
 }
 
 bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
@@ -786,9 +767,27 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
 }
 
 void w4a16_dequant_avx512(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
-  else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);
-  else dequant_impl<W4_SYM>(g, dst, dst_dtype, ldd, p0, p1);
+  with_mode(g.mode, [&](auto m) { dequant_impl<decltype(m)::value>(g, dst, dst_dtype, ldd, p0, p1); });
 }
 
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AVX-512)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_avx512() {
+  throw std::runtime_error("hf_w4: the AVX-512 W4A16 kernels are not built for this CPU architecture");
+}
+void w4a16_fused_avx512(const W4Gemm&, const float*, int64_t, const float*, int64_t, int64_t) { no_avx512(); }
+bool w4a16_vbmi_enabled() { return false; }
+void w4a16_fused_i16_avx512(const W4Gemm&, const int16_t*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                            int64_t) { no_avx512(); }
+bool w4a16_quant_x16_avx512(const void*, int, int64_t, int64_t, int64_t, int64_t, int16_t*, float*, int32_t*) {
+  no_avx512();
+}
+void w4a16_dequant_avx512(const W4Gemm&, void*, int, int64_t, int64_t, int64_t) { no_avx512(); }
+}  // namespace hf_w4
+#endif

@@ -10,9 +10,6 @@
 
 namespace hf_w4 {
 
-const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
 float fp8e4m3_to_f32(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
   float v;
@@ -30,8 +27,7 @@ struct Fp8Table {
 const Fp8Table& fp8_table() { static const Fp8Table t; return t; }
 
 void lut_for(int mode, float lut[16]) {
-  for (int c = 0; c < 16; ++c)
-    lut[c] = mode == W4_NVFP4 ? kE2M1[c] : mode == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+  for (int c = 0; c < 16; ++c) lut[c] = w4_code_value(mode, c);
 }
 }  // namespace
 
