@@ -336,6 +336,8 @@ def test_auto_isa_and_env_setting(monkeypatch):
     with pytest.raises(RuntimeError, match="isa='sse9' is not an ISA name; use auto, avx512, avx2, generic, or one "
                                            "of this kernel's variants avxvnni, avx2novnni, amx"):
         torch.ops.hf_w4.int8_isa("sse9")
+
+
 def test_errors_are_explained():
     spec, qw = make_qweight("gptq", 64, 256, 64, True, True, seed=0)
     perm = layouts.act_order_perm(qw.g_idx, qw.group_size)

@@ -965,3 +965,68 @@ def test_registry_rejects_k0_with_a_reason():
         assert not ok and "K=0" in why
         cls, reasons = registry.select(spec, 64, 0, cpu, torch.float32)
         assert cls is not CpuW4A16Kernel and "K=0" in reasons["cpu_w4a16"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_nvfp4(tmp_path_factory):
+    """The embedded default model (SmolLM2-135M) written as compressed-tensors NVFP4, and two windows of 512
+    tokens of the default text."""
+    from hf_w4 import evaluate, models, writers
+    try:
+        src = models.default_model_path(verbose=False)
+    except models.ModelNotAvailable as e:
+        pytest.skip(str(e))
+    res = writers.write_checkpoint(str(src), str(tmp_path_factory.mktemp("nvfp4") / "c"), "ct-nvfp4")
+    tok = evaluate.load_tokenizer(res.path)
+    return res.path, evaluate.make_windows(tok, evaluate.default_text(), window=512, max_tokens=1024)
+
+
+@pytest.mark.slow
+def test_every_large_m_path_within_budget_on_a_real_model(smollm2_nvfp4, monkeypatch):
+    """Perplexity of SmolLM2-135M NVFP4 in bf16 (M = 512 rows per call: the large-M paths) on each path the kernel
+    can take there - int16 x raw codes, dequantize + bf16 GEMM, dequantize + fp32 GEMM, the fused fp32 kernel - and
+    on the automatic choice, against the fp32 reference kernel: each within 0.5 % (the bf16 reference itself is
+    ~0.2 % off), and the automatic choice gives exactly the perplexity of the path cpu_w4a16_path names."""
+    import hf_w4
+    from hf_w4 import evaluate
+    path, windows = smollm2_nvfp4
+
+    def load(dtype, **cfg):
+        with hf_w4.enabled():
+            from transformers import AutoModelForCausalLM
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, quantization_config=hf_w4.CompressedTensorsConfig(**cfg)).eval()
+
+    def ppl(model):
+        with torch.no_grad():
+            return evaluate.perplexity(model, windows, progress=False).ppl
+
+    ref = ppl(load(torch.float32, kernel="torch_reference"))
+    model = load(torch.bfloat16)
+    kern = {type(m.kernel) for m in model.modules() if getattr(getattr(m, "kernel", None), "NAME", "") == "cpu_w4a16"}
+    assert len(kern) == 1, kern
+    cls = kern.pop()
+
+    def forced(path):
+        def apply(self, layer, x, bias):
+            b = layer._buffers
+            y = torch.ops.hf_w4.cpu_w4a16_gemm(x.reshape(-1, self.k), b["w4a16_qpack"], b["w4a16_scales"],
+                                               b["w4a16_zs"], b["w4a16_perm"], bias, self.n, self.group_size,
+                                               self.weight_type, self.global_scale, "", path)
+            return y.reshape(*x.shape[:-1], self.n)
+        return apply
+
+    auto = ppl(model)
+    got = {}
+    for name, num in PATH_NUM.items():
+        if name == "amx" or (name == "int16" and ISAS == ["generic"]):
+            continue
+        monkeypatch.setattr(cls, "apply", forced(num))
+        got[name] = ppl(model)
+    named = ops.cpu_w4a16_path(windows.shape[1], 576, "nvfp4", 16, torch.bfloat16)
+    print(f"fp32 reference {ref:.4f}; auto ({named}) {auto:.4f}; "
+          + ", ".join(f"{k} {v:.4f} ({(v - ref) / ref:+.3%})" for k, v in got.items()))
+    if named in got:
+        assert auto == got[named], (named, auto, got)
+    for name, v in got.items():
+        assert abs(v - ref) <= 0.005 * ref, f"path {name}: perplexity {v:.4f} vs fp32 reference {ref:.4f}"
