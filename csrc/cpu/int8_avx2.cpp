@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "common/dispatch.h"
 #include "int8_gemm.h"
 
 #define HF_TAVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
@@ -272,19 +273,10 @@ struct TAvx2 {
   static constexpr int MR = VNNI ? 3 : 2;
   static constexpr bool kFusedDecode = false;
   static void tile(const TileArgs& a) {
-    if (a.otf) {
-      switch (a.mr) {
-        case 1: tile_avx2<1, true, VNNI>(a); break;
-        case 2: tile_avx2<2, true, VNNI>(a); break;
-        default: tile_avx2<(VNNI ? 3 : 2), true, VNNI>(a); break;
-      }
-    } else {
-      switch (a.mr) {
-        case 1: tile_avx2<1, false, VNNI>(a); break;
-        case 2: tile_avx2<2, false, VNNI>(a); break;
-        default: tile_avx2<(VNNI ? 3 : 2), false, VNNI>(a); break;
-      }
-    }
+    hf_w4::with_rows<1, 2, MR>(a.mr, [&](auto r) {
+      if (a.otf) tile_avx2<decltype(r)::value, true, VNNI>(a);
+      else tile_avx2<decltype(r)::value, false, VNNI>(a);
+    });
   }
   HF_TAVX2 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
     const __m256i mask = _mm256_set1_epi8(0x0f);

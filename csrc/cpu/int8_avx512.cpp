@@ -9,6 +9,7 @@
 
 #include "common/amx_tiles.h"
 #include "common/convert.h"
+#include "common/dispatch.h"
 #include "int8_gemm.h"
 
 #ifndef HF_W4_EMULATE_AVX512
@@ -225,25 +226,10 @@ struct T512 {
   static constexpr int MR = MRA;
   static constexpr bool kFusedDecode = true;
   static void tile(const TileArgs& a) {
-    if (a.otf) {
-      switch (a.mr) {
-        case 1: tile512<1, true>(a); break;
-        case 2: tile512<2, true>(a); break;
-        case 3: tile512<3, true>(a); break;
-        case 4: tile512<4, true>(a); break;
-        case 5: tile512<5, true>(a); break;
-        default: tile512<6, true>(a); break;
-      }
-    } else {
-      switch (a.mr) {
-        case 1: tile512<1, false>(a); break;
-        case 2: tile512<2, false>(a); break;
-        case 3: tile512<3, false>(a); break;
-        case 4: tile512<4, false>(a); break;
-        case 5: tile512<5, false>(a); break;
-        default: tile512<6, false>(a); break;
-      }
-    }
+    hf_w4::with_rows<1, 2, 3, 4, 5, 6>(a.mr, [&](auto r) {
+      if (a.otf) tile512<decltype(r)::value, true>(a);
+      else tile512<decltype(r)::value, false>(a);
+    });
   }
   HF_T512 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
