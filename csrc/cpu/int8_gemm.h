@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "common/convert.h"
+#include "common/qweight_codes.h"
 
 namespace hf_w4_int8 {
 
@@ -48,10 +49,9 @@ Geometry make_geometry(int64_t n, int64_t k, int64_t group_size, int wtype);
 // int8: w int8 [N][K] (element (n, k) at w[n*s0 + k*s1]); perm: int64 [K] or null (packed logical column j = perm[j])
 void repack_int8_panels(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
                         uint8_t* out, int64_t p0, int64_t p1);
-// int4: codes int32 words (word (a, b) at codes[a*s0 + b*s1]); pack_dim 0 = along k ([N][K/8] words),
-// 1 = along n ([N/8][K] words); element j of a run of 8 sits in nibble slots[j]
-void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int64_t s1, int pack_dim,
-                        const int* slots, const int64_t* perm, uint8_t* out, int64_t p0, int64_t p1);
+// int4: the checkpoint's int32 words (common/qweight_codes.h)
+void repack_int4_panels(const Geometry& g, const hf_w4::QCodes& qc, const int64_t* perm, uint8_t* out, int64_t p0,
+                        int64_t p1);
 // int4 values -8..7 stored one per int8 (compressed-tensors W4A8) -> int4 panels with codes v + 8 (zero 8)
 void repack_int4_from_int8(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
                            uint8_t* out, int64_t p0, int64_t p1);

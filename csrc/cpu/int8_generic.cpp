@@ -79,11 +79,9 @@ void repack_int8_panels(const Geometry& g, const int8_t* w, int64_t s0, int64_t 
   }
 }
 
-void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int64_t s1, int pack_dim,
-                        const int* slots, const int64_t* perm, uint8_t* out, int64_t p0, int64_t p1) {
+void repack_int4_panels(const Geometry& g, const hf_w4::QCodes& qc, const int64_t* perm, uint8_t* out, int64_t p0,
+                        int64_t p1) {
   const int64_t nq2 = g.Kp / 8;
-  int sh[8];
-  for (int j = 0; j < 8; ++j) sh[j] = 4 * slots[j];
   std::unique_ptr<int64_t[]> col(new int64_t[g.Kp]);
   bool identity = true;
   for (int64_t kp = 0; kp < g.Kp; ++kp) {
@@ -99,29 +97,21 @@ void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int
         for (int64_t q2 = 0; q2 < nq2; ++q2) std::memset(o + q2 * 256 + nl * 4, 0, 4);
         continue;
       }
-      if (pack_dim == 0 && identity) {
-        // fast path: word c of row n holds k = 8c..8c+7 = exactly quad pair c
-        const uint32_t* wr = (const uint32_t*)(codes + n * s0);
+      if (qc.pack_k && identity) {
+        // fast path: word q2 of row n holds k = 8q2..8q2+7 = exactly quad pair q2
         for (int64_t q2 = 0; q2 < nq2; ++q2) {
-          const uint32_t wd = wr[q2 * s1];
+          const uint32_t wd = qc.canonical(qc.word(n, 8 * q2));
           uint8_t* ob = o + q2 * 256 + nl * 4;
-          for (int kk = 0; kk < 4; ++kk)
-            ob[kk] = (uint8_t)(((wd >> sh[kk]) & 15u) | (((wd >> sh[4 + kk]) & 15u) << 4));
+          for (int kk = 0; kk < 4; ++kk) ob[kk] = (uint8_t)(((wd >> (4 * kk)) & 15u) | (((wd >> (16 + 4 * kk)) & 15u) << 4));
         }
         continue;
       }
       for (int64_t q2 = 0; q2 < nq2; ++q2) {
         uint8_t* ob = o + q2 * 256 + nl * 4;
         for (int kk = 0; kk < 4; ++kk) {
-          uint32_t v[2];
-          for (int h = 0; h < 2; ++h) {
-            const int64_t c = col[q2 * 8 + h * 4 + kk];
-            if (c < 0) { v[h] = 0; continue; }
-            uint32_t wd;
-            if (pack_dim == 0) wd = (uint32_t)codes[n * s0 + (c / 8) * s1], v[h] = (wd >> sh[c % 8]) & 15u;
-            else wd = (uint32_t)codes[(n / 8) * s0 + c * s1], v[h] = (wd >> sh[n % 8]) & 15u;
-          }
-          ob[kk] = (uint8_t)(v[0] | (v[1] << 4));
+          const int64_t c0 = col[q2 * 8 + kk], c1 = col[q2 * 8 + 4 + kk];
+          const uint32_t v0 = c0 < 0 ? 0 : qc.at(n, c0), v1 = c1 < 0 ? 0 : qc.at(n, c1);
+          ob[kk] = (uint8_t)(v0 | (v1 << 4));
         }
       }
     }

@@ -133,10 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
                   slots[i]);
       sl[i] = (int)slots[i];
     }
-    const int32_t* c = codes.data_ptr<int32_t>();
-    const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
+    const hf_w4::QCodes qc(codes.data_ptr<int32_t>(), codes.stride(0), codes.stride(1), pack_dim == 0, sl);
     at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) {
-      repack_int4_panels(g, c, s0, s1, (int)pack_dim, sl, pp, out.data_ptr<uint8_t>(), b, e);
+      repack_int4_panels(g, qc, pp, out.data_ptr<uint8_t>(), b, e);
     });
   }
   repack_scales(g, s.data_ptr<float>(), g.G, z.defined() ? z.data_ptr<float>() : nullptr, g.G,
