@@ -14,7 +14,7 @@
 
 #ifndef HF_W4_EMULATE_AVX512
 #define HF_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")))
-#else  // the test-only emulated build (simd512.h)
+#else  // the test-only emulated build (common/simd512.h)
 #define HF_T512
 #endif
 #define HF_T512I HF_T512 __attribute__((always_inline)) inline

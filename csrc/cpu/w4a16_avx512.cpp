@@ -179,7 +179,7 @@ struct WordDecode {
 // ports. In asm the accumulators are the outputs a0-7 / b0-7 (columns 0..15 / 16..31 of rows 0-7), zeroed first;
 // the flushes stay in C++. Same integers: bit-identical. A row step: broadcast the row's k-pair of x (byte offset
 // XOFF + k from the row's pointer) and two vpdpwssd with the pair's weights in zmm WL / WH.
-// The emulated build (simd512.h) cannot run asm: there the C++ loops stand in (same integers).
+// The emulated build (common/simd512.h) cannot run asm: there the C++ loops stand in (same integers).
 #ifndef HF_W4_EMULATE_AVX512
 constexpr bool kAsmLoops = true;
 #else

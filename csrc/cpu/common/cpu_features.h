@@ -13,15 +13,19 @@
 #include <cstring>
 #include <string>
 
+#ifndef HF_W4_X86  // (predefined to 0 only to check the non-x86 build on an x86 machine)
 #if defined(__x86_64__) || defined(_M_X64)
 #define HF_W4_X86 1
+#else
+#define HF_W4_X86 0
+#endif
+#endif
+#if HF_W4_X86
 #include <cpuid.h>
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#else
-#define HF_W4_X86 0
 #endif
 
 namespace hf_w4 {
