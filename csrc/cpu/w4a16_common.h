@@ -13,7 +13,7 @@
 namespace hf_w4 {
 
 // How far ahead (bytes of the packed panel stream) the small-M kernels prefetch the weights into L1, and the int16
-// kernels also into L2: a stream needs many lines in flight to reach DRAM speed (docs/cpu-kernels.md, "Prefetch").
+// kernels also into L2: a stream needs many lines in flight to reach DRAM speed (docs/cpu-kernels.md, "Tuning notes").
 // The AVX2 kernels prefetch only the near distance: the far one made them slower.
 constexpr int64_t kW4PrefetchBytes = 8192;
 constexpr int64_t kW4PrefetchFarBytes = 32768;

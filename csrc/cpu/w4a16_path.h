@@ -1,6 +1,6 @@
 // Which W4A16 kernel path a call takes: a pure function of the call (M, K, weight type, group size, activation
 // dtype) and of what the CPU offers, so the same inputs take the same path - and give the same outputs - in every
-// process on one machine. The thresholds were measured offline per CPU family; docs/cpu-kernels.md ("Paths" and
+// process on one machine. The thresholds were measured offline per CPU family; docs/cpu-kernels.md ("W4A16 paths" and
 // "M crossovers") has the table, where each number comes from and how to re-measure it. No torch headers.
 #pragma once
 #include <algorithm>

@@ -117,7 +117,7 @@ int dt_code(at::ScalarType t) {
 }
 
 // Dequantized chunk size: HF_W4_W4A16_CHUNK_MB, else 2 MiB per thread, so that each thread's slice of the chunk is
-// still in its L2 when at::linear reads it (docs/cpu-kernels.md, "Large M").
+// still in its L2 when at::linear reads it (docs/cpu-kernels.md, "Tuning notes").
 int64_t large_chunk_bytes() {
   static const double mb = [] {
     const char* e = std::getenv("HF_W4_W4A16_CHUNK_MB");
