@@ -343,7 +343,16 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
       const int16_t* x0 = xq + r0 * K;
       const float* s0 = xs + r0 * nab;
       const int32_t* d0 = xd + r0 * nab;
-      with_rows<8, 6, 1, 2, 3, 4>(mr, [&](auto r) { panel_rows_i16<decltype(r)::value, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); });
+      // a switch, not with_rows: a lambda gets the target options of the place it is written, outside the VBMI
+      // region, and the VBMI caller's decoder would then be called out of line for every k-pair (~1.4x slower)
+      switch (mr) {
+        case 8: panel_rows_i16<8, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+        case 6: panel_rows_i16<6, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+        case 1: panel_rows_i16<1, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+        case 2: panel_rows_i16<2, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+        case 3: panel_rows_i16<3, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+        default: panel_rows_i16<4, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
+      }
       for (int64_t m = 0; m < mr; ++m) store_row_avx512(g, r0 + m, p * W4_NP, res + m * W4_NP, W4_NP);
     }
   }
