@@ -568,23 +568,28 @@ PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4}
 @pytest.mark.parametrize("isa", ISAS)
 def test_large_m_bf16_rule(isa):
     """bf16 x above the small-M kernels where AMX does not take them follows fixed rules (no timing): int16 x raw
-    codes on AVX-512 at every M; on AVX2 up to M = 80 (int4) / 32 (NVFP4); else dequantize + bf16 GEMM on CPUs with
-    bf16 arithmetic, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule as cpu_w4a16_path."""
+    codes on AVX-512 at every M (NVFP4 on AMD: up to M = 112); on AVX2 up to M = 80 (int4) / 32 (NVFP4); else
+    dequantize + bf16 GEMM on CPUs with bf16 arithmetic, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule
+    as cpu_w4a16_path."""
     segs = _large_choice(isa)
-    flags = _FLAGS
-    gemm = 1 if ({"avx512_bf16"} <= flags or {"amx_bf16"} <= flags) else 4
-    amx = "amx=yes" in ops.cpu_w4a16_info(isa)
+    info = ops.cpu_w4a16_info(isa)
+    bf16 = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None
+    gemm = 1 if bf16 else 4
+    amx = "amx=yes" in info
     if amx:
         want = {"int4": [(1, None)], "int4_no_i16": [(1, None)], "nvfp4": [(1, None)]}
     elif isa == "avx512":
-        want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, None)]}
+        # NVFP4's int16 decode costs more than int4's: where the bf16 GEMM runs at full rate (AMD), it takes over
+        full_rate = re.search(r"cpu: .*avx512_bf16.*\bamd\b", info) is not None
+        want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)],
+                "nvfp4": [(3, 112), (1, None)] if full_rate else [(3, None)]}
     elif isa == "avx2":
         want = {"int4": [(3, 80), (gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, 32), (gemm, None)]}
     else:
         want = {"int4": [(gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(gemm, None)]}
     assert segs == want, (isa, segs)
     for wt, gs, key in (("int4", 128, "int4"), ("int4", 18, "int4_no_i16"), ("nvfp4", 16, "nvfp4")):
-        for M in (40, 80, 81, 300, 5000):
+        for M in (40, 80, 81, 112, 113, 300, 5000):
             k = 4104 if amx else 4096  # (K % 32 != 0: where AMX exists, the shape AMX cannot take)
             k = k // gs * gs
             got = ops.cpu_w4a16_path(M, k, wt, gs, torch.bfloat16, isa=isa)

@@ -37,6 +37,7 @@ struct PathCaps {
   bool amx = false;        // AMX-BF16 usable (CPU + OS) and not switched off (HF_W4_AMX=0)
   bool vbmi = false;       // AVX512-VBMI and not switched off (HF_W4_VBMI=0)
   bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
+  bool bf16_full_rate = false;  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
   int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
 };
 
@@ -86,6 +87,9 @@ inline int64_t amx_min_m(const W4Call& q) {
 }
 // Largest M of the AVX2 int16 kernel above small M, before dequantize + GEMM takes over.
 inline int64_t avx2_i16_large_max_m(int mode) { return mode == W4_NVFP4 ? 32 : 80; }
+// Largest M of the AVX-512 NVFP4 int16 kernel (its decode costs more than int4's) where the bf16 GEMM runs at full
+// rate; int4, and NVFP4 on other AVX-512 CPUs, keep the int16 kernel at every M.
+constexpr int64_t kAvx512NvfpI16MaxM = 112;
 
 // bf16 x above the small-M kernels where AMX does not take it.
 inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
@@ -96,7 +100,9 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
     return forced == W4Path::int16 && !i16 ? W4Path::dequant_fp32 : forced;
   }
   if (c.amx) return W4Path::dequant_bf16;  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX
-  if (c.isa == CpuIsa::avx512 && i16) return W4Path::int16;
+  if (c.isa == CpuIsa::avx512 && i16 &&
+      (q.mode != W4_NVFP4 || !c.bf16_full_rate || q.M <= kAvx512NvfpI16MaxM))
+    return W4Path::int16;
   if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(q.mode)) return W4Path::int16;
   return gemm;
 }

@@ -46,6 +46,7 @@ struct CpuCaps {
   bool avx_vnni = false;    // the VEX-encoded vpdpbusd (AVX2 CPUs such as Alder Lake, Zen 5)
   bool amx_bf16 = false;    // AMX-TILE + AMX-BF16, and Linux granted the tile data state
   bool amx_int8 = false;    // AMX-TILE + AMX-INT8, likewise
+  bool amd = false;         // AuthenticAMD: tuned thresholds differ by vendor (docs/cpu-kernels.md, "M crossovers")
   CpuIsa best() const { return avx512 ? CpuIsa::avx512 : avx2 ? CpuIsa::avx2 : CpuIsa::generic; }
   // e.g. "avx512 (avx512_bf16 avx512_vbmi avx_vnni)": what was found, for error messages and cpu_w4a16_info
   std::string describe() const {
@@ -55,6 +56,7 @@ struct CpuCaps {
                             {avx512_fp16, "avx512_fp16"}, {avx_vnni, "avx_vnni"}, {amx_bf16, "amx_bf16"},
                             {amx_int8, "amx_int8"}})
       if (on) extra += (extra.empty() ? "" : " ") + std::string(name);
+    if (amd) extra += (extra.empty() ? "" : " ") + std::string("amd");
     return extra.empty() ? s : s + " (" + extra + ")";
   }
 };
@@ -100,8 +102,9 @@ inline CpuCaps detect() {
   c.avx512_bf16 = c.avx512 && HF_W4_CPU_HAS_AVX512("avx512bf16");
   c.avx512_vbmi = c.avx512 && HF_W4_CPU_HAS_AVX512("avx512vbmi");
   c.avx_vnni = c.avx2 && __builtin_cpu_supports("avxvnni");
-#ifndef HF_W4_EMULATE_AVX512
   unsigned a, b, cx, d;
+  if (__get_cpuid(0, &a, &b, &cx, &d)) c.amd = b == 0x68747541u && d == 0x69746e65u && cx == 0x444d4163u;
+#ifndef HF_W4_EMULATE_AVX512
   if (c.avx512 && __get_cpuid_count(7, 0, &a, &b, &cx, &d)) {
     c.avx512_fp16 = d & (1u << 23);
     if (amx_tiles_permitted()) {
