@@ -10,7 +10,7 @@ from .integration import enabled, install, installed, uninstall
 from .kernels import kernels as list_kernels
 from .kernels import support_matrix
 from .nn import QuantLinear
-from .quantizers.config import AutoRoundConfig, AwqConfig, CompressedTensorsConfig, GPTQConfig, ModelOptConfig
+from .loading.config import AutoRoundConfig, AwqConfig, CompressedTensorsConfig, GPTQConfig, ModelOptConfig
 from .report import kernel_report, layer_table
 
 __version__ = "0.1.0"

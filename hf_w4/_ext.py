@@ -1,5 +1,8 @@
 """Loads the compiled op library (hf_w4/_C*.so) once. Never raises: a failed load is remembered
-and reported by kernels through ``load_error()``. ``cpu_flags()`` says what this CPU offers the library."""
+and reported by kernels through ``load_error()``. ``cpu_flags()`` says what this CPU offers the library.
+
+Imports nothing of hf_w4: the library only registers implementations (``TORCH_LIBRARY_IMPL``), which torch
+accepts before or after :mod:`hf_w4.ops` defines the schemas."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +18,6 @@ _state = {"loaded": None, "error": None}
 def load() -> bool:
     if _state["loaded"] is not None:
         return _state["loaded"]
-    from . import ops  # noqa: F401  (schemas must exist before the library registers impls)
     here = os.path.dirname(os.path.abspath(__file__))
     libs = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
     if os.environ.get("HF_W4_LIBRARY"):  # another build of the same sources (tests/test_avx512_emulated.py)

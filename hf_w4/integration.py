@@ -1,40 +1,43 @@
-"""The single place that edits transformers' quantizer registry.
+"""Every change hf_w4 makes to transformers or PEFT, made here (or by a module this one calls) and only on request.
 
-transformers refuses to re-register its built-in methods (``register_quantizer("awq")`` raises) and rejects a
-user config whose class name differs from the checkpoint's, so hf_w4 takes over by replacing mapping entries —
-explicitly (``install()``), reversibly (``uninstall()``), and only for the methods asked for:
+transformers refuses to re-register its built-in quant methods and rejects a user config whose class name differs
+from the checkpoint's, so hf_w4 takes over by replacing entries, explicitly (``install()``), reversibly
+(``uninstall()``) and only for the methods asked for. The complete list:
 
-* ``AUTO_QUANTIZER_MAPPING[m]`` -> hf_w4's quantizer, ``AUTO_QUANTIZATION_CONFIG_MAPPING[m]`` -> hf_w4's
-  same-named config class (parses without compressed-tensors/auto-round/gptqmodel);
-* ``modelopt`` (not known to transformers) is added to both, and its config class to
-  ``LOADING_ATTRIBUTES_CONFIG_TYPES`` so loading attributes reach it;
-* ``quantizers.auto.AutoRoundConfig`` (transformers parses any checkpoint with it when the user passes an
-  AutoRoundConfig) -> hf_w4's AutoRoundConfig;
-* ``modeling_utils.get_hf_quantizer`` is wrapped (with ``modelopt``): a local checkpoint whose config.json has no
-  quantization_config but which carries ModelOpt's ``hf_quant_config.json`` with a ``quant_algo`` (older ModelOpt
-  exports; vLLM reads them the same way) loads as if ``quantization_config=ModelOptConfig()`` had been passed —
-  without it transformers builds a dense model and fails on the packed tensors' shapes. (transformers does not pass
-  ``subfolder`` on, so a checkpoint in a subfolder needs the explicit ``ModelOptConfig()``.)
+transformers (``install()`` sets, ``uninstall()`` restores):
 
-``PreTrainedModel.resize_token_embeddings`` is wrapped too: with a quantized output embedding it raises before
-anything changes (transformers resizes the input embeddings first, then fails on the packed head, leaving the model
-half resized).
+* ``quantizers.auto.AUTO_QUANTIZER_MAPPING[m]`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING[m]``: hf_w4's quantizer and
+  its same-named config class (parses without the producer libraries); ``modelopt`` is added to both;
+* ``quantizers.auto.LOADING_ATTRIBUTES_CONFIG_TYPES`` gains ``ModelOptConfig``, so loading attributes reach it;
+* ``quantizers.auto.AutoRoundConfig``: transformers parses any checkpoint with it when the user passes one;
+* ``modeling_utils.get_hf_quantizer`` (with ``modelopt``): a local ModelOpt export that has only
+  ``hf_quant_config.json`` loads as if ``quantization_config=ModelOptConfig()`` had been passed;
+* ``PreTrainedModel.resize_token_embeddings``: refuses a quantized output embedding before anything changes
+  (transformers would resize the input embeddings first, then fail on the packed head).
 
-``install()`` also lets PEFT's LoRA wrap ``QuantLinear`` layers (``hf_w4.lora``); ``uninstall()`` leaves that in
-place, since it only ever matches layers hf_w4 loaded.
+PEFT (``hf_w4.peft.lora.enable()``, at ``install()``; stays for the process, acts on ``QuantLinear`` layers only):
 
-Not thread-safe (it edits module-level dicts); call it once per process — every ``accelerate launch`` rank
-runs its own script, so put ``hf_w4.install()`` (or ``import hf_w4.auto``) at the top of it.
+* ``peft.tuners.lora.model.LoraModel``: ``_create_new_module``, ``_replace_module``, ``_check_merge_allowed``,
+  ``_check_new_adapter_config``, and ``peft.tuners.tuners_utils._maybe_include_all_linear_layers``;
+* ``get_model_conversion_mapping`` in ``peft.utils.transformers_weight_conversion`` and
+  ``transformers.integrations.peft``, and ``_convert_peft_config_moe``: MoE experts hf_w4 unfused keep per-expert
+  LoRA targets.
+
+Not thread-safe (it edits module-level dicts): call it once per process, e.g. at the top of each
+``accelerate launch`` rank's script (``hf_w4.install()`` or ``import hf_w4.auto``).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Iterable, Optional
 
-from . import lora
+from .formats.modelopt import ALGOS, sidecar_algo
+from .loading import CONFIGS, QUANTIZERS
+from .loading.config import ModelOptConfig
+from .nn import QuantLinear
+from .peft import lora
 
 logger = logging.getLogger("hf_w4")
 _saved: dict = {}   # method -> (quantizer or None, config or None)
@@ -50,7 +53,6 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
     through hf_w4. Idempotent."""
     from transformers.quantizers import auto as qauto
 
-    from .quantizers import CONFIGS, QUANTIZERS
     methods = list(CONFIGS) if methods is None else list(methods)
     for m in methods:
         if m not in CONFIGS:
@@ -101,7 +103,6 @@ def uninstall() -> None:
 
 
 def _resize_token_embeddings(self, *args, **kwargs):
-    from .nn import QuantLinear
     head = self.get_output_embeddings()
     if isinstance(head, QuantLinear):
         raise AttributeError(
@@ -111,34 +112,11 @@ def _resize_token_embeddings(self, *args, **kwargs):
     return _extra["resize_token_embeddings"](self, *args, **kwargs)
 
 
-def modelopt_sidecar_algo(config) -> Optional[str]:
-    """The ``quant_algo`` of a local ModelOpt export whose config.json has no quantization_config but which carries
-    ``hf_quant_config.json`` (``config``: the loaded config), else None. A file that is not ModelOpt's JSON object is
-    an error naming it (the checkpoint next to it is most likely packed: loading it dense would fail obscurely)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    quantized = getattr(config, "quantization_config", None) is not None or \
-        getattr(text, "quantization_config", None) is not None
-    path = str(getattr(config, "_name_or_path", "") or "")
-    side = os.path.join(path, "hf_quant_config.json")
-    if quantized or not path or not os.path.isfile(side):
-        return None
-    try:
-        with open(side) as f:
-            q = json.load(f)
-        algo = (q.get("quantization") or {}).get("quant_algo")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{side}: cannot read ModelOpt's quantization from it ({type(e).__name__}: {e}); config.json "
-                         "has no quantization_config, so hf_w4 looked there") from None
-    return algo or None  # a KV-cache-only export (quant_algo null) stays a dense model
-
-
 def _get_hf_quantizer(config, quantization_config, *args, **kwargs):
     algo = None
     if quantization_config is None and kwargs.get("gguf_file") is None:
-        algo = modelopt_sidecar_algo(config)
+        algo = sidecar_algo(config)
     if algo:
-        from .formats.modelopt import ALGOS
-        from .quantizers.config import ModelOptConfig
         if algo not in ALGOS:
             raise NotImplementedError(
                 f"{os.path.join(str(config._name_or_path), 'hf_quant_config.json')}: ModelOpt quant_algo {algo!r} is "

@@ -7,7 +7,7 @@ For every layout of :data:`hf_w4.formats.spec.LAYOUTS` this module knows
 * how to write them from integer codes and scales (:func:`pack`, used by the checkpoint writers),
 * the exact dense weight (:func:`dequantize`, the test oracle and the ``model.dequantize()`` path).
 
-Layout facts are from ``../shared/docs/formats.md`` (checked against producer-written files).
+Each producer's layout, nibble order and zero / scale conventions: docs/formats.md.
 """
 from __future__ import annotations
 

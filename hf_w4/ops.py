@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from . import _ext
+
 lib = torch.library.Library("hf_w4", "DEF")
 
 
 def has_impl(op: str, device: str = "CPU") -> bool:
     """Does ``torch.ops.hf_w4.<op>`` have a kernel for the dispatch key ``device`` (e.g. "CPU")?"""
-    from . import _ext
     _ext.load()
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"hf_w4::{op}", device)
@@ -75,7 +76,6 @@ def _cpu_w4a16_gemm_fake(x, qpack, scales, zs, perm, bias, n, group_size, weight
 
 def cpu_w4a16_repack(qw, perm=None):
     """QWeight -> (qpack, scales, zs) in the cpu_w4a16 kernel layout (one layer; streams, no dense copy)."""
-    from . import _ext
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_repack(
         qw.codes, qw.pack_dim, list(qw.slots), qw.scales, qw.zeros, perm, qw.n, qw.k, qw.group_size,
@@ -85,7 +85,6 @@ def cpu_w4a16_repack(qw, perm=None):
 def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, bias=None, global_scale=1.0,
                    isa="", path=-1):
     """y = x @ W^T (+ bias) in x.dtype for 2-D x; W given in the cpu_w4a16 layout."""
-    from . import _ext
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_gemm(x, qpack, scales, zs, perm, bias, n, group_size, weight_type,
                                           float(global_scale), isa, path)
@@ -93,7 +92,6 @@ def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, 
 
 def cpu_w4a16_info(isa=""):
     """One line: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M."""
-    from . import _ext
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_info(isa)
 
@@ -102,7 +100,6 @@ def cpu_w4a16_info(isa=""):
 def cpu_w4a16_path(m, k, weight_type, group_size, dtype, asym=False, isa=""):
     """The path ("fused", "bf16", "amx", "int16" or "fp32") cpu_w4a16_gemm's automatic choice takes for M x K
     activations of ``dtype`` on this machine."""
-    from . import _ext
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_path(m, k, weight_type, group_size, asym, dtype, isa)
 
@@ -154,7 +151,6 @@ def int8_repack(qw, perm=None, as_int4=False):
     (int64 [K], from ``layouts.act_order_perm``) makes act-order groups contiguous. ``as_int4``: an int8
     QWeight holding int4 values (-8..7, compressed-tensors W4A8) is packed as int4 (half the bytes; run the
     gemm with weight_type "int4")."""
-    from . import _ext
     _ext.load()
     pack_dim = {"k": 0, "n": 1, "none": 0}[qw.pack_dim]
     wt = "int4" if as_int4 else qw.weight_type
@@ -166,7 +162,6 @@ def int8_gemm(x, packed, scales, zeros, weight_type, n, k, group_size, perm=None
               isa=""):
     """y = fq(x) @ W^T (+ bias) in x.dtype; fq = dynamic symmetric int8 per token (or per token and K-group
     when ``act_group``), exactly as compressed-tensors quantizes activations."""
-    from . import _ext
     _ext.load()
     return torch.ops.hf_w4.int8_gemm(x, packed, scales, zeros, perm, bias, weight_type, n, k, group_size,
                                      act_group, isa)

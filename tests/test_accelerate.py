@@ -3,7 +3,7 @@
 The command under test is the documented one:
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no -m hf_w4.cli eval PATH ...
+        --dynamo_backend no -m hf_w4.tools.cli eval PATH ...
 
 (``--cpu`` would start only one process; ``--multi_gpu`` on a CPU-only host gives MULTI_CPU/gloo.)
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_w4 import models
+from hf_w4.tools import models
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("accelerate")
@@ -60,7 +60,7 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("acc")
     dense = models.build_tiny(d / "dense", seed=0)
     try:
-        from hf_w4 import writers
+        from hf_w4.tools import writers
     except ImportError:
         return models.build_tiny(d / "b", seed=3), dense
     writers.write_checkpoint(str(dense), str(d / "gptq"), "gptq", group_size=32)
@@ -70,10 +70,10 @@ def tiny(tmp_path_factory):
 def test_accelerate_two_ranks_equal_one_process(tiny, tmp_path):
     model, ref = tiny
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    _run([sys.executable, "-m", "hf_w4.cli"] + _eval_args(model, one, ref))
+    _run([sys.executable, "-m", "hf_w4.tools.cli"] + _eval_args(model, one, ref))
     p = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), "-m", "hf_w4.cli"] + _eval_args(model, two, ref))
+              "--main_process_port", str(_free_port()), "-m", "hf_w4.tools.cli"] + _eval_args(model, two, ref))
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert a["world"] == 1 and b["world"] == 2
     assert len(b["peak_rss_bytes_per_rank"]) == 2 and all(x > 0 for x in b["peak_rss_bytes_per_rank"])

@@ -11,8 +11,10 @@ from transformers import (AutoModelForCausalLM, CLIPVisionConfig, LlamaConfig, L
                           LlavaForConditionalGeneration, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import hf_w4
-from hf_w4 import layouts, moe, writers
-from hf_w4.checkpoint import CheckpointError
+from hf_w4 import layouts
+from hf_w4.loading import moe
+from hf_w4.tools import writers
+from hf_w4.loading.checkpoint import CheckpointError
 from hf_w4.formats.spec import W4Spec
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -15,10 +15,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import hf_w4  # noqa: E402
-from hf_w4 import cli, models  # noqa: E402
+from hf_w4.tools import cli, models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_WRITERS = importlib.util.find_spec("hf_w4.writers") is not None
+HAVE_WRITERS = importlib.util.find_spec("hf_w4.tools.writers") is not None
 needs_writers = pytest.mark.skipif(not HAVE_WRITERS, reason="hf_w4.writers not available")
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(models.MODULE) is None,
                                    reason=f"embedded model not installed ({models.PIP_COMMAND})")
@@ -45,7 +45,7 @@ def tiny_gptq(tiny, tmp_path_factory):
 
 
 def test_help_lists_commands():
-    p = subprocess.run([sys.executable, "-m", "hf_w4.cli", "--help"], env=_env(), capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "hf_w4.tools.cli", "--help"], env=_env(), capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr
     for c in ("info", "eval", "bench", "convert", "demo"):
@@ -95,10 +95,10 @@ def test_info_dense(tiny, capsys):
 
 def test_bench_forwards_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("hf_w4.bench")
+    fake = types.ModuleType("hf_w4.tools.bench")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "hf_w4.bench", fake)
-    monkeypatch.setattr(hf_w4, "bench", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "hf_w4.tools.bench", fake)
+    monkeypatch.setattr(hf_w4.tools, "bench", fake, raising=False)
     assert cli.main(["bench", "--m", "1,16", "--quick"]) == 0
     assert cli.main(["bench", "--", "--help"]) == 0
     assert seen == [["--m", "1,16", "--quick"], ["--help"]]
@@ -106,7 +106,7 @@ def test_bench_forwards_arguments(monkeypatch):
 
 @needs_writers
 def test_convert_list_formats(capsys):
-    from hf_w4 import writers
+    from hf_w4.tools import writers
     assert cli.main(["convert", "x", "y", "--list-formats"]) == 0
     assert capsys.readouterr().out.split() == list(writers.FORMATS)
 
@@ -194,7 +194,7 @@ def test_demo_tiny(tiny, tmp_path, capsys):
 def test_demo_runs_nothing_it_cannot_compare(tiny, tiny_gptq, capsys, monkeypatch):
     """Usage errors stop the demo before the dense baseline runs (exit 2); a run in which no format ran is a
     failure (exit 1), not a table of "skipped" rows."""
-    from hf_w4 import evaluate as E
+    from hf_w4.tools import evaluate as E
     real_perplexity = E.perplexity
     calls = []
     monkeypatch.setattr(E, "perplexity", lambda *a, **k: calls.append(1) or real_perplexity(*a, **k))
@@ -212,7 +212,7 @@ def test_demo_runs_nothing_it_cannot_compare(tiny, tiny_gptq, capsys, monkeypatc
 
 def test_demo_arguments(capsys, monkeypatch):
     """argparse-level: group size, counts (0 perplexity tokens = the whole text; decode >= 2) and --w4a8."""
-    from hf_w4 import evaluate as E
+    from hf_w4.tools import evaluate as E
     for argv, expect in ((["--group-size", "-5"], "positive group size or -1"), (["--group-size", "0"], "-1"),
                          (["--decode-tokens", "0"], "must be >= 2"), (["--decode-tokens", "1"], "must be >= 2"),
                          (["--ppl-tokens", "-1"], "must be >= 0"),
@@ -252,7 +252,7 @@ def test_demo_unknown_format(tiny, capsys):
 def test_demo_real_model_quick(tmp_path):
     """The README's main job, short: the embedded SmolLM2-135M-Instruct, two formats, 512 perplexity tokens."""
     out = tmp_path / "demo.json"
-    p = subprocess.run([sys.executable, "-m", "hf_w4.cli", "demo", "--quick", "--formats", "gptq,awq", "--w4a8", "none",
+    p = subprocess.run([sys.executable, "-m", "hf_w4.tools.cli", "demo", "--quick", "--formats", "gptq,awq", "--w4a8", "none",
                         "--json", str(out), "--no-progress"], env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rows = json.loads(out.read_text())

@@ -13,8 +13,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hf_w4 import bench, cli, models  # noqa: E402
-from hf_w4 import evaluate as E  # noqa: E402
+from hf_w4.tools import bench, cli, models  # noqa: E402
+from hf_w4.tools import evaluate as E  # noqa: E402
 
 from test_cli import _env, tiny  # noqa: E402,F401  (``tiny``: the shared fixture)
 
@@ -198,7 +198,7 @@ def test_compressed_tensors_label_has_the_bits():
 
 
 def test_closed_stdout_exits_quietly():
-    code = ("import sys\nfrom hf_w4 import cli\n"
+    code = ("import sys\nfrom hf_w4.tools import cli\n"
             "def flood(a):\n    for _ in range(100000):\n        print('x' * 100)\n"
             "cli.cmd_info = flood\nsys.exit(cli.main(['info', 'x']))\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import hf_w4
-from hf_w4 import formats, layouts, writers
+from hf_w4 import formats, layouts
+from hf_w4.tools import writers
 from hf_w4.formats.spec import W4Spec
 from hf_w4.layouts import LayoutError
 from hf_w4.nn import QuantLinear

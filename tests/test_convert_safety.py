@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hf_w4 import cli, models, writers  # noqa: E402
+from hf_w4.tools import cli, models, writers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_modes_follow_the_umask(tiny, tmp_path):
 SIGTERM_CHILD = """
 import os, signal, sys, time
 import safetensors.torch as st
-from hf_w4 import writers
+from hf_w4.tools import writers
 real = st.save_file
 def save_then_sigterm(*a, **k):
     real(*a, **k)

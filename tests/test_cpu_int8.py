@@ -482,10 +482,10 @@ def test_compressed_tensors_fake_quant_reproduced():
 
 
 def test_bench_vnni_contenders_match_the_default():
-    # hf_w4.bench_int8's *_vnni contenders force the AVX-512 VNNI path (what a CPU without AMX runs); where AMX
+    # the int8 benchmark's *_vnni contenders force the AVX-512 VNNI path (what a CPU without AMX runs); where AMX
     # exists they must give the default op's results bit for bit (same integers, same fp32 order); elsewhere they
     # decline with the reason
-    from hf_w4 import bench_int8
+    from hf_w4.tools.bench import int8 as bench_int8
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(3)) * 0.02
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     for base, vnni in ((bench_int8.OursW8A8(), bench_int8.OursW8A8Vnni()),
@@ -499,13 +499,13 @@ def test_bench_vnni_contenders_match_the_default():
 
 def test_bench_int8_prints_only_its_table(capsys):
     # int8 contenders alone: only the int8 table (the W4A16 table would be all dashes); with a W4A16 contender: both
-    from hf_w4 import bench_int8
-    fast = ["--shapes", "256x128", "--m", "1", "--cold-mib", "1", "--min-time", "0.001", "--min-runs", "1",
+    from hf_w4.tools import bench
+    fast = ["--int8", "--shapes", "256x128", "--m", "1", "--cold-mib", "1", "--min-time", "0.001", "--min-runs", "1",
             "--rounds", "1", "--threads", str(torch.get_num_threads())]  # the suite's thread count stays
-    assert bench_int8.main(fast + ["--contenders", "bf16,ours_w8a8"]) == 0
+    assert bench.main(fast + ["--contenders", "bf16,ours_w8a8"]) == 0
     out = capsys.readouterr().out
     assert "w8a8 vs bf16" in out and "int4 vs int4pack" not in out and "ours_w8a8 ms" in out
-    assert bench_int8.main(fast + ["--contenders", "bf16,ours_int4,ours_w4a8"]) == 0
+    assert bench.main(fast + ["--contenders", "bf16,ours_int4,ours_w4a8"]) == 0
     out = capsys.readouterr().out
     assert "w4a8 vs bf16" in out and "int4 vs bf16" in out
 

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import hf_w4
-from hf_w4 import writers
-from hf_w4.checkpoint import CheckpointError
+from hf_w4.tools import writers
+from hf_w4.loading.checkpoint import CheckpointError
 from hf_w4.layouts import LayoutError
 
 Q = "model.layers.0.self_attn.q_proj"
@@ -131,7 +131,7 @@ def test_unsupported_config(base, tmp_path, key, value, msg):
 def test_uninitialised_memory_never_reaches_forward(base, tmp_path, monkeypatch):
     # without the header check (e.g. a loader path that gives no checkpoint files), the post-load guard still
     # refuses the tensor transformers filled with torch.empty_like
-    from hf_w4 import checkpoint
+    from hf_w4.loading import checkpoint
     p = copy(base["gptq"], tmp_path, tensors=lambda sd: sd.pop(f"{Q}.qzeros"))
     monkeypatch.setattr(checkpoint, "read_headers", lambda files: None)
     with pytest.raises(LayoutError, match=rf"{Q}\.qzeros: missing from the checkpoint .* uninitialised memory"):

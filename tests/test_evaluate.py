@@ -11,8 +11,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import hf_w4  # noqa: E402
-from hf_w4 import evaluate as E  # noqa: E402
-from hf_w4 import models  # noqa: E402
+from hf_w4.tools import evaluate as E  # noqa: E402
+from hf_w4.tools import models  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +223,9 @@ def test_evaluate_peak_rss_is_the_checkpoints_own(tiny, monkeypatch):
 
 def test_checkpoint_quant_method(tiny, tmp_path):
     """The family an --activation override loads with: from config.json, or ModelOpt's hf_quant_config.json."""
-    from hf_w4.quantizers.config import GPTQConfig, ModelOptConfig
-    assert E.checkpoint_quant_method(tiny) is None
+    from hf_w4.loading.config import GPTQConfig, ModelOptConfig, activation_config, checkpoint_quant_method
+    from transformers.quantizers import auto as qauto
+    assert checkpoint_quant_method(tiny) is None
     cfg = json.loads((tiny / "config.json").read_text())
     for name, qc, side in (("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32}, None),
                            ("modelopt", None, {"quantization": {"quant_algo": "W4A16_NVFP4"}})):
@@ -233,19 +234,20 @@ def test_checkpoint_quant_method(tiny, tmp_path):
         (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc) if qc else cfg))
         if side:
             (d / "hf_quant_config.json").write_text(json.dumps(side))
-        assert E.checkpoint_quant_method(d) == name
-        with hf_w4.enabled():                   # constructing a config installs hf_w4: only for this block
-            c = E.activation_config(d, "int8")
+        assert checkpoint_quant_method(d) == name
+        before = dict(qauto.AUTO_QUANTIZER_MAPPING)
+        c = activation_config(d, "int8")
+        assert qauto.AUTO_QUANTIZER_MAPPING == before     # constructing a config changes nothing global
         assert isinstance(c, {"gptq": GPTQConfig, "modelopt": ModelOptConfig}[name]) and c.activation == "int8"
     with pytest.raises(ValueError, match="dense checkpoint"):
-        E.activation_config(tiny, "none")
+        activation_config(tiny, "none")
     with pytest.raises(ValueError, match=r"activation 'int4' is not supported; supported: \["):
-        E.activation_config(tmp_path / "gptq", "int4")
+        activation_config(tmp_path / "gptq", "int4")
     d = tmp_path / "bnb"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": "bitsandbytes"})))
     with pytest.raises(ValueError, match="'bitsandbytes' checkpoint, which hf_w4 does not load; supported quant_methods"):
-        E.activation_config(d, "int8")
+        activation_config(d, "int8")
 
 
 def test_demo_table_formatting():

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_w4
 from conftest import rel_err as _rel
-from hf_w4 import writers
+from hf_w4.tools import writers
 from hf_w4.nn import QuantLinear
 
 # (format, writer options): every variant the spine promises

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_w4
 from hf_w4 import layouts
-from hf_w4.checkpoint import CheckpointError
+from hf_w4.loading.checkpoint import CheckpointError
 from hf_w4.nn import QuantLinear
 
 from test_from_pretrained import _tokens, written  # noqa: E402,F401  (``written``: the shared fixture)
@@ -99,7 +99,7 @@ def test_keep_checkpoint_tensors_env(written, monkeypatch):
 @pytest.mark.parametrize("fmt", ["autoround", "modelopt-nvfp4"])
 def test_resize_token_embeddings_with_quantized_lm_head(tmp_path, tiny_llama, fmt):
     # refused before anything changes (transformers itself resizes the input embeddings, then fails on the head)
-    from hf_w4 import writers
+    from hf_w4.tools import writers
     res = writers.write_checkpoint(tiny_llama, str(tmp_path / "c"), fmt, quantize_lm_head=True)
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
     emb = model.get_input_embeddings()

@@ -20,8 +20,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import hf_w4
 from conftest import rel_err as _rel
-from hf_w4 import layouts, moe, writers
-from hf_w4.checkpoint import CheckpointError
+from hf_w4 import layouts
+from hf_w4.loading import moe
+from hf_w4.tools import writers
+from hf_w4.loading.checkpoint import CheckpointError
 from hf_w4.formats.spec import W4Spec
 from hf_w4.nn import QuantLinear
 

@@ -278,7 +278,7 @@ def test_peft_without_the_expected_internals_is_left_alone(caplog):
     """A PEFT whose LoraModel lacks the methods hf_w4.lora replaces: a warning naming them, and nothing patched."""
     import logging
     import types
-    from hf_w4 import lora
+    from hf_w4.peft import lora
 
     class LoraModel:  # a stand-in without _replace_module / _check_merge_allowed / _check_new_adapter_config
         prefix = "lora_"

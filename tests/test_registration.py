@@ -1,9 +1,10 @@
 """install()/uninstall()/enabled() and the hf_w4 config classes."""
+import pytest
 import transformers
 from transformers.quantizers import auto as qauto
 
 import hf_w4
-from hf_w4.quantizers import CONFIGS, QUANTIZERS
+from hf_w4.loading import CONFIGS, QUANTIZERS
 
 
 def test_install_uninstall_restores_transformers():
@@ -38,7 +39,19 @@ def test_enabled_context_manager():
     hf_w4.uninstall()
 
 
+def test_constructing_a_config_changes_nothing_global():
+    hf_w4.uninstall()
+    before = dict(qauto.AUTO_QUANTIZER_MAPPING)
+    c = hf_w4.AwqConfig(kernel="torch_reference")
+    assert qauto.AUTO_QUANTIZER_MAPPING == before and hf_w4.installed() == ()
+    with pytest.raises(RuntimeError, match=r"takeover of 'awq' is not installed.*call hf_w4.install\(\)"):
+        c.get_loading_attributes()         # what from_pretrained calls with a passed config
+    with hf_w4.enabled(["awq"]):
+        assert c.get_loading_attributes()["kernel"] == "torch_reference"
+
+
 def test_config_classes_keep_names_and_strip_loading_attributes():
+    hf_w4.install(["awq"])
     c = hf_w4.AwqConfig(kernel="torch_reference", activation="int8")
     assert type(c).__name__ == "AwqConfig" and isinstance(c, transformers.AwqConfig)
     assert c.get_loading_attributes()["activation"] == "int8"

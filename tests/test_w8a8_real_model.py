@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_w4
-from hf_w4 import evaluate, models, writers
+from hf_w4.tools import evaluate, models, writers
 from hf_w4.nn import QuantLinear
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_w4 import formats, layouts, writers
+from hf_w4 import formats, layouts
+from hf_w4.tools import writers
 from conftest import make_tiny_llama
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -1,4 +1,4 @@
-"""``quant_method: auto-round`` (formats.md §1/§2 and the dispatch table §7)."""
+"""``quant_method: auto-round`` (docs/formats.md: auto-round writes GPTQ- or AWQ-packed tensors)."""
 from __future__ import annotations
 
 import re

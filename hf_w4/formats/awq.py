@@ -1,4 +1,4 @@
-"""``quant_method: awq`` (formats.md §2): only the GEMM layout exists on disk in a form we read."""
+"""``quant_method: awq`` (docs/formats.md, AWQ): only the GEMM layout exists on disk in a form we read."""
 from __future__ import annotations
 
 from .spec import FormatConfig, W4Spec

@@ -1,4 +1,4 @@
-"""``quant_method: compressed-tensors`` (formats.md §3-§5), parsed without the compressed-tensors library."""
+"""``quant_method: compressed-tensors`` (docs/formats.md, compressed-tensors), parsed without the compressed-tensors library."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""``quant_method: gptq`` (formats.md §1)."""
+"""``quant_method: gptq`` (docs/formats.md, GPTQ)."""
 from __future__ import annotations
 
 from .spec import FormatConfig, W4Spec

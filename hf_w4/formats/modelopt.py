@@ -1,7 +1,10 @@
-"""``quant_method: modelopt`` (formats.md §6): the config.json form or the bare ``hf_quant_config.json``."""
+"""``quant_method: modelopt`` (docs/formats.md, ModelOpt): the config.json form or the bare ``hf_quant_config.json``."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+from typing import Optional
 
 from .spec import FormatConfig, W4Spec
 from ._common import names_of
@@ -35,3 +38,24 @@ def parse(q: dict) -> FormatConfig:
                                                q.get("exclude_modules") or q.get("ignore")))
     # ModelOpt quantizes every Linear it does not exclude, lm_head included
     return FormatConfig("modelopt", spec, rules=[(skip, None)] if skip else [], quantize_lm_head=True)
+
+
+def sidecar_algo(config) -> Optional[str]:
+    """The ``quant_algo`` of a local ModelOpt export whose config.json has no quantization_config but which carries
+    ``hf_quant_config.json`` (``config``: the loaded config), else None. A file that is not ModelOpt's JSON object is
+    an error naming it (the checkpoint next to it is most likely packed: loading it dense would fail obscurely)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    quantized = getattr(config, "quantization_config", None) is not None or \
+        getattr(text, "quantization_config", None) is not None
+    path = str(getattr(config, "_name_or_path", "") or "")
+    side = os.path.join(path, "hf_quant_config.json")
+    if quantized or not path or not os.path.isfile(side):
+        return None
+    try:
+        with open(side) as f:
+            q = json.load(f)
+        algo = (q.get("quantization") or {}).get("quant_algo")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{side}: cannot read ModelOpt's quantization from it ({type(e).__name__}: {e}); config.json "
+                         "has no quantization_config, so hf_w4 looked there") from None
+    return algo or None  # a KV-cache-only export (quant_algo null) stays a dense model

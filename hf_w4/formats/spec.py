@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-# on-disk layouts (see ../shared/docs/formats.md, one section each)
+# on-disk layouts (docs/formats.md has one section each)
 LAYOUTS = (
     "gptq",            # qweight int32 [K/8, N] along K; qzeros [G, N/8]; scales fp16 [G, N]; opt. g_idx
     "awq",             # qweight int32 [K, N/8] along N in AWQ order; qzeros [G, N/8]; scales fp16 [G, N]

@@ -4,7 +4,7 @@ has AVX-512 (F/BW/VL/DQ, x86-64-v4: Zen 4 and later). On an AVX2-only Zen 3 (EPY
 then ``zentorch_dynamic_qlinear`` dies of SIGILL and ``zentorch_woq_linear`` returns wrong results.
 
 Two kernel classes, because the two zentorch ops rank differently against hf_w4's own kernels
-(``python -m hf_w4.bench_int8``; the table is in the report of the issue):
+(``python -m hf_w4.tools.bench --int8``; numbers in docs/performance.md):
 
 * ``zentorch_w4a16``: ``zentorch_woq_linear`` for int4 weights with bf16 activations (no g_idx). Symmetric
   weights use ``zentorch_woq_repack_weight`` (int4 values -8..7) with fp32 group scales; asymmetric ones the
@@ -17,7 +17,7 @@ Two kernel classes, because the two zentorch ops rank differently against hf_w4'
   with its own rule, not compressed-tensors' (max|x|/127.5, round half to even): results differ from the
   reference path by ~1 % of max |y| (measured in tests/test_zentorch.py), versus fp32 rounding for cpu_int8.
 
-Priorities come from the decode regime (M = 1..4, cold weights; ``python -m hf_w4.bench_int8``): both classes
+Priorities come from the decode regime (M = 1..4, cold weights; ``python -m hf_w4.tools.bench --int8``): both classes
 rank below hf_w4's own kernels (see PRIORITY below), so they are used only when those cannot run a layer or are
 disabled (``disabled_kernels=["cpu_int8"]``) or forced (``kernel="zentorch_int8"``).
 
@@ -214,9 +214,9 @@ class _ZentorchBase(Kernel):
 @register
 class ZentorchW4A16Kernel(_ZentorchBase):
     NAME = "zentorch_w4a16"
-    # decode (M=1, 4096x4096 g128, cold, 2 threads): zentorch_woq_linear is ~2x slower than cpu_w4a16 and torch
-    # int4pack (perf-anchors.md: 0.52 vs 0.25 ms; hf_w4.bench_int8 agrees), faster only for M >= 256 where it
-    # runs a dequantize + bf16 GEMM -> below cpu_w4a16 (100), above the reference (-100)
+    # decode (M=1, 4096x4096 g128, cold): zentorch_woq_linear is ~2x slower than cpu_w4a16 and torch int4pack
+    # (docs/performance.md), faster only for M >= 256 where it runs a dequantize + bf16 GEMM -> below cpu_w4a16
+    # (100), above the reference (-100)
     PRIORITY = 40
     WEIGHT_TYPES = frozenset({"int4"})
     ACTIVATIONS = frozenset({"none"})
@@ -246,7 +246,7 @@ class ZentorchW4A16Kernel(_ZentorchBase):
 @register
 class ZentorchInt8Kernel(_ZentorchBase):
     NAME = "zentorch_int8"
-    # decode: see PRIORITY_NOTE in hf_w4/bench_int8.py (set from the benchmark table). cpu_int8 is 100.
+    # below cpu_int8 (100): zentorch_dynamic_qlinear was slower at M = 1..16 on 4096x4096 (docs/performance.md)
     PRIORITY = 90
     WEIGHT_TYPES = frozenset({"int8", "int4"})
     ACTIVATIONS = frozenset({"int8_token"})

@@ -1,35 +1,29 @@
 """Benchmark of the int8-activation kernels (cpu_int8 W8A8 / W4A8) against dense bf16 and zentorch.
 
-    python -m hf_w4.bench_int8                         # 4096x4096, M = 1..1024, table with ratios
-    python -m hf_w4.bench_int8 --shapes 4096x4096,4096x11008 --m 1,16 --rounds 5
-    python -m hf_w4.bench --contenders bf16,ours_w8a8,zt_w8a8   # the same contenders inside hf_w4.bench
+    python -m hf_w4.tools.bench --int8                 # 4096x4096, M = 1..1024, table with ratios
+    python -m hf_w4.tools.bench --int8 --shapes 4096x4096,4096x11008 --m 1,16 --rounds 5
+    python -m hf_w4.tools.bench --contenders bf16,ours_w8a8,zt_w8a8   # the same contenders in the full benchmark
 
 On a CPU with AMX, ours_w8a8_vnni / ours_w4a8_vnni time the same op with the AVX-512 VNNI path forced: the path a
 CPU without AMX (AMD Zen 4 / 5) takes at every M.
 
-``CONTENDERS`` plugs into ``hf_w4.bench`` (interface: ``name``, ``available() -> (ok, reason)``,
-``prepare(w_fp32 [N, K], group_size) -> state`` per weight copy, ``run(state, x_bf16 [M, K]) -> y``). The method
-is hf_w4.bench's: 2 threads, cold weights (rotation over > --cold-mib of weight copies), medians of interleaved
-rounds. Weights are round-to-nearest quantized from one random fp32 matrix (W8A8: per-channel int8, scale
+The contenders register with :mod:`hf_w4.tools.bench.harness` and are timed by its method: cold weights
+(rotation over > --cold-mib of weight copies), medians of interleaved rounds. Weights are round-to-nearest quantized from one random fp32 matrix (W8A8: per-channel int8, scale
 max|w|/127; W4A8 / W4A16: symmetric int4, group 128).
 """
 from __future__ import annotations
 
-import argparse
-from typing import List, Optional
-
 import torch
 
-from .bench import Contender, DenseBF16, OursInt4, _boost, bench_shapes, rtn_int4
+from ... import _ext, layouts, ops
+from ...formats.spec import W4Spec
+from ...kernels import zentorch as zt
+from .harness import Contender, register
+from .w4a16 import rtn_int4
 
-# Where zentorch_dynamic_qlinear ranks against cpu_int8 in decode (M = 1..4), which sets
-# ZentorchInt8Kernel.PRIORITY (hf_w4/kernels/zentorch.py): see the table in the issue report.
-PRIORITY_NOTE = "zentorch_int8 < cpu_int8 at M = 1..16 on 4096x4096 (decode regime) -> PRIORITY 90 < 100"
 
 
 def _qw_w8a8(w):
-    from . import layouts
-    from .formats.spec import W4Spec
     n, k = w.shape
     s = (w.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-8)
     codes = torch.clamp(torch.round(w / s), -127, 127).to(torch.int64)
@@ -38,8 +32,6 @@ def _qw_w8a8(w):
 
 
 def _qw_int4(w, group_size):
-    from . import layouts
-    from .formats.spec import W4Spec
     n, k = w.shape
     codes, s = rtn_int4(w, group_size)
     spec = W4Spec("bench", "ct_pack", "int4", 4, group_size, True, act="int8_token")
@@ -50,7 +42,6 @@ class _Ours(Contender):
     isa = ""  # automatic: AMX-INT8 from M = 8 where the CPU has it
 
     def available(self):
-        from . import _ext, ops
         if not ops.has_impl("int8_gemm"):
             return False, f"int8 ops not built ({_ext.load_error()})"
         return True, ""
@@ -60,7 +51,6 @@ class OursW8A8(_Ours):
     name = "ours_w8a8"
 
     def prepare(self, w, group_size):
-        from . import ops
         qw = _qw_w8a8(w)
         p, s, _ = ops.int8_repack(qw)
         return p, s, qw.n, qw.k
@@ -74,7 +64,6 @@ class OursW4A8(_Ours):
     name = "ours_w4a8"
 
     def prepare(self, w, group_size):
-        from . import ops
         qw = _qw_int4(w, group_size)
         p, s, _ = ops.int8_repack(qw)
         return p, s, qw.n, qw.k, qw.group_size
@@ -93,7 +82,6 @@ class _NoAmx:
         ok, why = super().available()
         if not ok:
             return ok, why
-        from . import _ext
         flags = _ext.cpu_flags()
         if "avx512_vnni" not in flags:
             return False, "no AVX-512 VNNI on this CPU: the default contender runs the best path it has"
@@ -113,8 +101,7 @@ class OursW4A8Vnni(_NoAmx, OursW4A8):
 class _Zt(Contender):
     # benchmarked wherever zentorch runs (AVX-512; the kernels themselves are only selected on AMD Zen)
     def available(self):
-        from .kernels.zentorch import zentorch_runnable
-        why = zentorch_runnable()
+        why = zt.zentorch_runnable()
         return (False, why) if why else (True, "")
 
 
@@ -122,11 +109,9 @@ class ZtW4A16(_Zt):
     name = "zt_w4a16"
 
     def prepare(self, w, group_size):
-        from .kernels import zentorch as zt
         return zt.prepare_w4a16(_qw_int4(w, group_size))
 
     def run(self, state, x):
-        from .kernels import zentorch as zt
         return zt.run_w4a16(state, x, None)
 
 
@@ -134,11 +119,9 @@ class ZtW4A8(_Zt):
     name = "zt_w4a8"
 
     def prepare(self, w, group_size):
-        from .kernels import zentorch as zt
         return zt.prepare_w4a8(_qw_int4(w, group_size))
 
     def run(self, state, x):
-        from .kernels import zentorch as zt
         return zt.run_w4a8(state, x, None)
 
 
@@ -146,11 +129,9 @@ class ZtW8A8(_Zt):
     name = "zt_w8a8"
 
     def prepare(self, w, group_size):
-        from .kernels import zentorch as zt
         return zt.prepare_w8a8(_qw_w8a8(w))
 
     def run(self, state, x):
-        from .kernels import zentorch as zt
         return zt.run_w8a8(state, x, None)
 
 
@@ -175,13 +156,4 @@ def table(results, shapes, ms, names) -> str:
     return "\n".join(rows) + "\n\n(ratios: time of the other / time of ours; > 1 = ours faster)"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m hf_w4.bench_int8``: the repo benchmark (hf_w4.bench) restricted to 4096x4096 and to dense bf16,
-    cpu_w4a16 and the int8 / zentorch contenders; every hf_w4.bench option applies."""
-    from .bench import main as bench_main
-    return bench_main(argv, prog="python -m hf_w4.bench_int8", description=__doc__.split("\n")[0],
-                      shapes="4096x4096", contenders=",".join(["bf16", "ours_int4"] + [c.name for c in CONTENDERS]))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+register(CONTENDERS, table)

@@ -19,7 +19,6 @@ each process otherwise times for itself; see README).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import math
@@ -33,6 +32,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
+
+from ..integration import enabled
+from ..loading.config import activation_config, checkpoint_quant_method
+from ..nn import QuantLinear
+from ..report import layer_table
+from . import models, writers
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_WINDOW = 512
@@ -324,12 +329,7 @@ def model_bytes(model) -> Dict[str, int]:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     packed = dense = layers = 0
-    try:
-        from .report import layer_table
-        rows = layer_table(model)
-    except ImportError:
-        rows = []
-    for r in rows:
+    for r in layer_table(model):
         packed += int(r["packed_bytes"])
         dense += int(r["dense_bytes"])
         layers += 1
@@ -337,24 +337,13 @@ def model_bytes(model) -> Dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------- loading
-@contextlib.contextmanager
-def _hf_w4_enabled():
-    try:
-        from . import enabled
-    except ImportError:          # spine not available: dense checkpoints still load
-        yield
-        return
-    with enabled():
-        yield
-
-
 def load_model(path, dtype: torch.dtype = torch.bfloat16, activation: str = "auto", **kwargs):
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with hf_w4 enabled (quantized
     checkpoints go through hf_w4, dense ones load as usual), in eval mode. ``activation`` other than ``"auto"``
     (the checkpoint's own scheme) loads a quantized checkpoint with its family's hf_w4 config class and that
     activation mode (:func:`activation_config`), e.g. ``"int8"``: a 4-bit checkpoint runs as W4A8."""
     from transformers import AutoModelForCausalLM
-    with _hf_w4_enabled(), warnings.catch_warnings():
+    with enabled(), warnings.catch_warnings():
         if activation != "auto":
             kwargs["quantization_config"] = activation_config(path, activation)
             # transformers' notice that the passed config's loading attributes (here: activation) replace the
@@ -362,38 +351,6 @@ def load_model(path, dtype: torch.dtype = torch.bfloat16, activation: str = "aut
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
     return model.eval()
-
-
-def checkpoint_quant_method(path) -> Optional[str]:
-    """The ``quant_method`` of a checkpoint directory (its config.json's quantization_config; ``"modelopt"`` for
-    an older ModelOpt export that has only ``hf_quant_config.json``), None for a dense checkpoint. Reads the
-    config only, not the weights."""
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(str(path))
-    for c in (cfg, cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg):
-        q = getattr(c, "quantization_config", None)
-        if q is not None:
-            m = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
-            return str(getattr(m, "value", m))
-    from .integration import modelopt_sidecar_algo
-    return "modelopt" if modelopt_sidecar_algo(cfg) else None
-
-
-def activation_config(path, activation: str):
-    """The hf_w4 config object (``hf_w4.quantizers.config.CONFIGS[quant_method]``) that loads the quantized
-    checkpoint ``path`` with ``activation`` (``"none"``, ``"int8"``, ``"int8_group"``). A dense checkpoint, or one
-    hf_w4 does not load, is a ValueError."""
-    from .quantizers.config import ACTIVATION_MODES, CONFIGS
-    if activation not in ACTIVATION_MODES:
-        raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATION_MODES)}")
-    method = checkpoint_quant_method(path)
-    if method is None:
-        raise ValueError(f"activation {activation!r}: {path} is a dense checkpoint (no quantization_config); an "
-                         "activation mode applies to quantized checkpoints only (use 'auto' for a dense one)")
-    if method not in CONFIGS:
-        raise ValueError(f"activation {activation!r}: {path} is a {method!r} checkpoint, which hf_w4 does not load; "
-                         f"supported quant_methods: {list(CONFIGS)}")
-    return CONFIGS[method](activation=activation)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -443,20 +400,12 @@ ACTIVATION_TEXT = {"none": "weight-only, float activations", "int8_token": "dyna
 def activation_used(model) -> Optional[str]:
     """The activation scheme the quantized layers run (``"none"``, ``"int8_token"``, ``"int8_group"``; several
     joined by ``+``), None for a model without hf_w4 layers."""
-    try:
-        from .nn import QuantLinear
-    except ImportError:
-        return None
     acts = sorted({m.spec.act for m in model.modules() if isinstance(m, QuantLinear)})
     return "+".join(acts) or None
 
 
 def kernels_used(model) -> Dict[str, int]:
     """kernel name -> number of quantized layers running on it (empty for a dense model)."""
-    try:
-        from .report import layer_table
-    except ImportError:
-        return {}
     out: Dict[str, int] = {}
     for r in layer_table(model):
         out[r["kernel"]] = out.get(r["kernel"], 0) + 1
@@ -592,14 +541,9 @@ DEMO_GROUP_SIZE = 64       # SmolLM2's K = 576 is not a multiple of 128; 64 and 
 W4A8_FORMATS = ("gptq", "autoround", "autoround-awq", "awq", "ct-w4a16")
 
 
-def _writers():
-    from . import writers
-    return writers
-
-
 def demo_formats() -> List[str]:
-    """Every format the checkpoint writers know (``hf_w4.writers.FORMATS``)."""
-    return list(_writers().FORMATS)
+    """Every format the checkpoint writers know (``writers.FORMATS``)."""
+    return list(writers.FORMATS)
 
 
 def _kernel_summary(kernels: Dict[str, int]) -> str:
@@ -662,9 +606,7 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
     import tempfile
     from pathlib import Path
 
-    from . import models
 
-    writers = _writers()
     formats = list(formats) if formats else list(writers.FORMATS)
     unknown = [f for f in formats if f not in writers.FORMATS]
     if unknown:

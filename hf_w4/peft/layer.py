@@ -1,5 +1,5 @@
 """``QuantLoraLinear``: PEFT's LoRA ``Linear`` over an hf_w4 ``QuantLinear`` (imported only once PEFT is; see
-``hf_w4.lora``). A module of its own so that a PEFT model over a quantized base pickles (``torch.save``).
+``hf_w4.peft.lora``). A module of its own so that a PEFT model over a quantized base pickles (``torch.save``).
 
 PEFT's ``lora.Linear`` supplies the forward (the base layer's output plus each active adapter's, mixed-adapter batches
 included), ``get_delta_weight`` and, once the base has been dequantized (``model.dequantize()``), merging. This class
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from peft.tuners.lora.layer import Linear
 
-from .lora import PLAIN_INITS, base_of, describe
-from .nn import QuantLinear
+from ..nn import QuantLinear
+from .common import PLAIN_INITS, base_of, describe, merge_refusal
 
 
 class QuantLoraLinear(Linear):
@@ -53,11 +53,3 @@ class QuantLoraLinear(Linear):
         if self._packed():
             raise NotImplementedError(merge_refusal(self))
         return super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
-
-
-def merge_refusal(layer) -> str:
-    from .quantizers.config import CONFIGS
-    cfg = CONFIGS[base_of(layer).spec.method].__name__
-    return (f"{describe(layer)}: merging a LoRA adapter into quantized weights would need re-quantization. To merge, "
-            f"load the base model with quantization_config=hf_w4.{cfg}(dequantize=True) (or call model.dequantize() "
-            "before adding the adapter), then PeftModel.from_pretrained(...).merge_and_unload()")

@@ -6,7 +6,7 @@
     twin = res.dense_model()                          # nn.Linear-only fp32 copy with those weights
 
 Quantization is round-to-nearest (RTN) per output row and K-group; no calibration. Layouts, tensor names,
-dtypes and config keys follow ``../shared/docs/formats.md`` (the producers' real files). Bit packing is
+dtypes and config keys follow the producers' real files (docs/formats.md). Bit packing is
 :func:`hf_w4.layouts.pack`; this module only computes integer codes and scales and writes files.
 
 Conventions (see :func:`quantize_rtn`):
@@ -47,9 +47,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import layouts, moe
-from .formats.spec import W4Spec
-from .nn import plain_linear
+from .. import layouts
+from ..formats.spec import W4Spec
+from ..loading import moe
+from ..nn import plain_linear
 
 __all__ = ["FORMATS", "WriteResult", "RTNResult", "WriterError", "write_checkpoint", "quantize_rtn"]
 
@@ -66,7 +67,7 @@ FORMATS: Dict[str, str] = {
     "modelopt-nvfp4": "NVIDIA ModelOpt NVFP4 (W4A4): as modelopt-w4a16 plus static input_scale tensors",
 }
 
-# versions the written configs claim (the producer versions formats.md was checked against)
+# versions the written configs claim (the producer versions whose files these layouts were checked against)
 AUTOROUND_VERSION = "0.16.1"
 CT_VERSION = "0.19.0"
 MODELOPT_VERSION = "0.47.0"
@@ -81,7 +82,7 @@ _NVFP4 = ("ct-nvfp4",) + _MODELOPT
 _CHECKPOINT_FORMATS = {"gptq": True, "gptq_v1": True, "gptq_v2": False}  # -> stores zero-1
 _SKIP_FILES = {"config.json", "hf_quant_config.json", "quantization_config.json", "quantize_config.json",
                "recipe.yaml", "model.safetensors.index.json", "pytorch_model.bin.index.json",
-               "hf_w4_converted.json"}   # hf_w4.models' marker: it says "dequantized Q4_1 dense", not this file
+               "hf_w4_converted.json"}   # hf_w4.tools.models' marker: it says "dequantized Q4_1 dense", not this file
 # what an output directory may hold and still be replaced (see _check_target): the files write_checkpoint writes
 # or copies from a source plus the usual files of a Hugging Face checkpoint; anything else is someone's data
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
@@ -476,7 +477,7 @@ def write_checkpoint(model_or_dir, out_dir, fmt: str, *, group_size: Optional[in
         raise WriterError(f"model_or_dir must be a PreTrainedModel or a checkpoint directory, got {type(model_or_dir)}")
 
     # MoE experts fused into 3-D parameters (transformers 5) are quantized one Linear per expert projection,
-    # under the per-expert names the producers write (hf_w4.moe)
+    # under the per-expert names the producers write (hf_w4.loading.moe)
     with moe.unfused(model):
         ignore = tuple(ignore or ())
         linears = [(n, m) for n, m in model.named_modules() if plain_linear(m)]

@@ -13,8 +13,8 @@ writes the producer's own config back), and carries hf_w4's loading attributes:
 * ``compute_dtype``: dtype of activations and dense parts (default: the ``dtype`` given to from_pretrained);
 * ``dequantize``: load, then replace every quantized Linear by a dense ``nn.Linear``.
 
-Constructing one of these classes installs hf_w4's takeover (``hf_w4.install()``): it is an explicit
-statement that hf_w4 should load the checkpoint (see the README for why).
+Constructing one changes nothing global: ``from_pretrained`` refuses a config whose method hf_w4 has not taken
+over (``hf_w4.install()``), since transformers would otherwise load the checkpoint with its own quantizer.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from typing import Any, Dict, Optional
 import torch
 import transformers
 from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..formats.modelopt import sidecar_algo
 
 LOADING_ATTRIBUTES: Dict[str, Any] = {"kernel": "auto", "disabled_kernels": (), "activation": "auto",
                                       "compute_dtype": None, "dequantize": False}
@@ -66,8 +68,6 @@ class HfW4ConfigMixin:
         self.quant_method = self.METHOD
         for k, d in LOADING_ATTRIBUTES.items():
             setattr(self, k, _check(k, loading.get(k, d)))
-        from ..integration import install
-        install()
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
@@ -104,13 +104,12 @@ class HfW4ConfigMixin:
     def get_loading_attributes(self) -> Dict[str, Any]:
         # transformers' from_pretrained calls this (merging a passed config into the checkpoint's): without the
         # takeover its own quantizer, not hf_w4's, would load the checkpoint and fail on a missing producer library
-        from ..integration import installed
-        if self.METHOD not in installed():
+        from transformers.quantizers import auto as qauto
+        if qauto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(self.METHOD) is not CONFIGS[self.METHOD]:
             raise RuntimeError(
                 f"hf_w4.{type(self).__name__} was passed to from_pretrained, but hf_w4's takeover of {self.METHOD!r} "
-                "is not installed (hf_w4.uninstall(), or leaving the `with hf_w4.enabled():` block the config was "
-                "built in, removed it), so transformers would load the checkpoint with its own quantizer: call "
-                "hf_w4.install() first, or load inside the block")
+                "is not installed, so transformers would load the checkpoint with its own quantizer: call "
+                "hf_w4.install() (or import hf_w4.auto) first, or load inside `with hf_w4.enabled():`")
         return self.loading_attributes()
 
     def __setattr__(self, name, value):
@@ -143,3 +142,33 @@ class ModelOptConfig(HfW4ConfigMixin, QuantizationConfigMixin):  # transformers 
 
 
 CONFIGS = {c.METHOD: c for c in (GPTQConfig, AwqConfig, AutoRoundConfig, CompressedTensorsConfig, ModelOptConfig)}
+
+
+def checkpoint_quant_method(path) -> Optional[str]:
+    """The ``quant_method`` of a checkpoint directory (its config.json's quantization_config; ``"modelopt"`` for
+    an older ModelOpt export that has only ``hf_quant_config.json``), None for a dense checkpoint. Reads the
+    config only, not the weights."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(str(path))
+    for c in (cfg, cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg):
+        q = getattr(c, "quantization_config", None)
+        if q is not None:
+            m = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+            return str(getattr(m, "value", m))
+    return "modelopt" if sidecar_algo(cfg) else None
+
+
+def activation_config(path, activation: str):
+    """The hf_w4 config object (``CONFIGS[quant_method]``) that loads the quantized
+    checkpoint ``path`` with ``activation`` (``"none"``, ``"int8"``, ``"int8_group"``). A dense checkpoint, or one
+    hf_w4 does not load, is a ValueError."""
+    if activation not in ACTIVATION_MODES:
+        raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATION_MODES)}")
+    method = checkpoint_quant_method(path)
+    if method is None:
+        raise ValueError(f"activation {activation!r}: {path} is a dense checkpoint (no quantization_config); an "
+                         "activation mode applies to quantized checkpoints only (use 'auto' for a dense one)")
+    if method not in CONFIGS:
+        raise ValueError(f"activation {activation!r}: {path} is a {method!r} checkpoint, which hf_w4 does not load; "
+                         f"supported quant_methods: {list(CONFIGS)}")
+    return CONFIGS[method](activation=activation)

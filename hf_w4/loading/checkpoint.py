@@ -17,9 +17,9 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from . import layouts
-from .formats.spec import LAYOUTS, W4Spec
-from .nn import plain_linear
+from .. import layouts
+from ..formats.spec import LAYOUTS, W4Spec
+from ..nn import plain_linear
 
 logger = logging.getLogger("hf_w4")
 
@@ -187,7 +187,7 @@ def check_unclaimed(headers: Dict[str, TensorInfo], model: nn.Module) -> None:
     """Raise when the checkpoint holds quantized weights that nothing in the (swapped) model would load.
 
     That happens where a module exists with parameters of its own but is not a plain ``nn.Linear``, e.g. a
-    quantized MoE router, or fused MoE experts that :mod:`hf_w4.moe` did not unfuse while the checkpoint stores one
+    quantized MoE router, or fused MoE experts that :mod:`hf_w4.loading.moe` did not unfuse while the checkpoint stores one
     quantized Linear per expert: transformers would report the tensors as unexpected and leave the module's
     parameters randomly initialised. Tensors whose names are nowhere in the model are left alone: they come from a
     renaming not known here or from layers the model does not have (e.g. a DeepSeek MTP layer), which transformers

@@ -1,0 +1,78 @@
+"""Whole-model greedy decode: dense bf16 against the same model written as int4 (GPTQ) and NVFP4 (ModelOpt)
+checkpoints and loaded through ``from_pretrained``, so every quantized projection is a real ``QuantLinear``."""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ... import integration
+from .. import writers
+
+def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=print):
+    """Greedy decode of a Llama-shaped model (hidden 4096, random bf16 weights) against the same model loaded from
+    GPTQ int4 and ModelOpt NVFP4 checkpoints."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    transformers.logging.set_verbosity_error()
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=2048, max_position_embeddings=512)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return _decode_rates(_with_quantized(model, group_size), torch.randint(0, cfg.vocab_size, (1, prompt)), tokens,
+                         rounds, log)
+
+
+def _with_quantized(model, group_size: int) -> dict:
+    """{"bf16": model, "ours_int4": ..., "ours_nvfp4": ...}: the quantized ones written by the writers and loaded
+    with from_pretrained (each format's writer defaults decide which layers are quantized)."""
+    from transformers import AutoModelForCausalLM
+    models = {"bf16": model}
+    with tempfile.TemporaryDirectory() as d, integration.enabled():
+        for name, fmt in (("ours_int4", "gptq"), ("ours_nvfp4", "modelopt-nvfp4")):
+            res = writers.write_checkpoint(model, f"{d}/{fmt}", fmt, group_size=group_size)
+            models[name] = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16).eval()
+    return models
+
+
+def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log) -> dict:
+    """Median greedy-decode tokens/s of each model (``bf16`` first: the others' ratios are to it)."""
+    runs = {k: [] for k in models}
+    with torch.inference_mode():
+        for mdl in models.values():   # warm-up
+            mdl.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        # rounds interleaved (dense, int4, nvfp4, dense, ...): the host's load drifts over a run, and a ratio of
+        # medians from interleaved rounds is far steadier than one of back-to-back blocks
+        for _ in range(rounds):
+            for k, mdl in models.items():
+                t0 = time.perf_counter()
+                mdl.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+                runs[k].append(tokens / (time.perf_counter() - t0))
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    log(f"  dense bf16: {out['bf16']:.2f} tok/s")
+    for k in [k for k in out if k != "bf16"]:
+        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16)")
+    return out
+
+
+MOE_SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts_per_tok=8, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128)   # Qwen3-30B-A3B's layer widths
+
+
+def bench_moe(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, experts=32, log=print):
+    """Greedy decode of a Qwen3-MoE-shaped model (random bf16 weights) against the same model loaded through the
+    real path: written as GPTQ int4 and ModelOpt NVFP4 checkpoints (one Linear per expert, as the producers
+    write), loaded with from_pretrained (experts unfused by hf_w4.loading.moe, each projection a QuantLinear)."""
+    import transformers
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    transformers.logging.set_verbosity_error()
+    cfg = Qwen3MoeConfig(**MOE_SHAPE, num_experts=experts, num_hidden_layers=layers, vocab_size=2048,
+                         intermediate_size=6144, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt))
+    models = _with_quantized(model, group_size)
+    return _decode_rates(models, ids, tokens, rounds, log)
