@@ -976,7 +976,7 @@ def test_registry_rejects_k0_with_a_reason():
 def smollm2_nvfp4(tmp_path_factory):
     """The embedded default model (SmolLM2-135M) written as compressed-tensors NVFP4, and two windows of 512
     tokens of the default text."""
-    from hf_w4 import evaluate, models, writers
+    from hf_w4.tools import evaluate, models, writers
     try:
         src = models.default_model_path(verbose=False)
     except models.ModelNotAvailable as e:
@@ -993,7 +993,7 @@ def test_every_large_m_path_within_budget_on_a_real_model(smollm2_nvfp4, monkeyp
     on the automatic choice, against the fp32 reference kernel: each within 0.5 % (the bf16 reference itself is
     ~0.2 % off), and the automatic choice gives exactly the perplexity of the path cpu_w4a16_path names."""
     import hf_w4
-    from hf_w4 import evaluate
+    from hf_w4.tools import evaluate
     path, windows = smollm2_nvfp4
 
     def load(dtype, **cfg):
