@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #ifndef HF_W4_X86  // (predefined to 0 only to check the non-x86 build on an x86 machine)
 #if defined(__x86_64__) || defined(_M_X64)
@@ -48,7 +49,7 @@ struct CpuCaps {
   bool amx_int8 = false;    // AMX-TILE + AMX-INT8, likewise
   bool amd = false;         // AuthenticAMD: tuned thresholds differ by vendor (docs/cpu-kernels.md, "M crossovers")
   CpuIsa best() const { return avx512 ? CpuIsa::avx512 : avx2 ? CpuIsa::avx2 : CpuIsa::generic; }
-  // e.g. "avx512 (avx512_bf16 avx512_vbmi avx_vnni)": what was found, for error messages and cpu_w4a16_info
+  // e.g. "avx512 (avx512_bf16 avx512_vbmi avx_vnni amd)": what was found, for error messages and cpu_w4a16_info
   std::string describe() const {
     std::string s = isa_name(best());
     std::string extra;
