@@ -1035,3 +1035,19 @@ def test_every_large_m_path_within_budget_on_a_real_model(smollm2_nvfp4, monkeyp
         assert auto == got[named], (named, auto, got)
     for name, v in got.items():
         assert abs(v - ref) <= 0.005 * ref, f"path {name}: perplexity {v:.4f} vs fp32 reference {ref:.4f}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_nan_weight_stays_nan_through_bf16_dequantize(isa):
+    """A NaN group scale (payload 0x7fffffff: all mantissa bits set) makes its column NaN on every path. Rounding it
+    to bf16 by adding 0x7fff would carry into the sign bit and give -0 - a finite output - so every fp32 -> bf16
+    conversion keeps NaN (csrc/cpu/common/convert.h)."""
+    spec, qw = make_qweight("gptq", 64, 256, 128, seed=2)
+    q, s, z, perm = prep(qw)
+    s = s.clone()
+    s.view(torch.int32)[0, 0, 5] = 0x7fffffff   # column 5, group 0
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    for path in (0, 1, 3, 4):
+        y = ops.cpu_w4a16_gemm(x, q, s, z, 64, 128, "int4", perm=perm, isa=isa, path=path)
+        assert torch.isnan(y[:, 5]).all(), (isa, path, y[:, 5])
+        assert not torch.isnan(y[:, 6]).any(), (isa, path)
