@@ -159,19 +159,16 @@ inline bool resolve_isa(const char* requested, CpuIsa& out, std::string& err) {
   }
   const int r = parse_isa(v);
   const CpuIsa best = caps.best();
-  std::string supported;
+  if (r >= 0 && r - 1 <= static_cast<int>(best)) {
+    out = r == 0 ? best : static_cast<CpuIsa>(r - 1);
+    return true;
+  }
+  std::string supported;  // (strings only on the error path: this runs on every op call)
   for (int i = static_cast<int>(best); i >= 0; --i) supported += std::string(", ") + isa_name(static_cast<CpuIsa>(i));
-  if (r < 0) {
-    err = std::string(from) + "='" + v + "' is not an ISA name; use auto" + supported;
-    return false;
-  }
-  if (r > 0 && r - 1 > static_cast<int>(best)) {
-    err = std::string(from) + "='" + v + "' is not available: this CPU has " + caps.describe() + "; use auto" +
-          supported;
-    return false;
-  }
-  out = r == 0 ? best : static_cast<CpuIsa>(r - 1);
-  return true;
+  if (r < 0) err = std::string(from) + "='" + v + "' is not an ISA name; use auto" + supported;
+  else err = std::string(from) + "='" + v + "' is not available: this CPU has " + caps.describe() + "; use auto" +
+             supported;
+  return false;
 }
 
 }  // namespace hf_w4
