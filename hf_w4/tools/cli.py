@@ -1,4 +1,4 @@
-"""``hf-w4``: inspect, evaluate, benchmark, write and demo 4-bit checkpoints.
+"""hf-w4: inspect, evaluate, benchmark, write and demo 4-bit checkpoints.
 
     hf-w4 info PATH                       format and kernel per kind of layer (--per-layer: each), memory
     hf-w4 eval PATH [--reference DENSE]   perplexity, top-1 agreement, decode tokens/s, peak RSS
@@ -367,12 +367,11 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 def _common() -> argparse.ArgumentParser:
     """Options of every command: verbosity and progress bars (transformers' switches, which hf_w4 follows)."""
     c = argparse.ArgumentParser(add_help=False)
-    g = c.add_argument_group("output")
-    v = g.add_mutually_exclusive_group()
+    v = c.add_mutually_exclusive_group()
     v.add_argument("-q", "--quiet", action="store_true", help="errors only, no progress bars")
     v.add_argument("-v", "--verbose", action="store_true", help="also informational messages (hf_w4's and "
                                                                "transformers')")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     return c
 
 
