@@ -35,7 +35,8 @@ VARIABLES = (
     Variable("HF_W4_DEBUG", "Python", "any non-empty value", "`hf-w4` shows the traceback instead of a one-line "
              "error"),
     Variable("HF_W4_ISA", "C++", "auto / avx512 / avx2 / generic",
-             "cap the instruction set of the CPU kernels (default: the best this CPU has)"),
+             "the instruction-set level of every CPU kernel family (default: the best this CPU has); a level the "
+             "CPU lacks, or an unknown name, is an error"),
     Variable("HF_W4_AMX", "C++", "0", "do not use AMX tiles (cpu_w4a16 and cpu_int8)"),
     Variable("HF_W4_AMX_FP16", "C++", "0", "cpu_w4a16 on AMX: decode NVFP4 block scales in fp32 instead of "
              "AVX512-FP16 (bit-identical results)"),

@@ -1,5 +1,5 @@
 """The AVX-512 kernels on CPUs without AVX-512: the library is built a second time with HF_W4_EMULATE_AVX512
-(csrc/cpu/simd512.h: every AVX-512 intrinsic through SIMDe on AVX2, the few SIMDe lacks or rounds differently from
+(csrc/cpu/common/simd512.h: every AVX-512 intrinsic through SIMDe on AVX2, the few SIMDe lacks or rounds differently from
 the hardware written out after Intel's pseudocode; the inline-asm loops replaced by their C++ twins), and the kernel
 test files run against that build in a subprocess, with the AVX-512 features reported present (tests/conftest.py).
 So a change to the AVX-512 code is tested on every CI machine, not only on the AVX-512 ones. It checks logic, not

@@ -316,17 +316,25 @@ def test_quant_act_fuzz_bit_exact(isa):
             assert torch.equal(q, qr), (dtype, group, int((q.int() - qr.int()).abs().max()))
 
 
-def test_auto_isa_and_env_cap(monkeypatch):
+def test_auto_isa_and_env_setting(monkeypatch):
+    # HF_W4_ISA names the level, as for the W4A16 ops: the best one by default, a lower one when set; a level the
+    # CPU lacks or an unknown name is an error that names the variable
     best = torch.ops.hf_w4.int8_isa("")
-    assert best in ("generic", "avx2", "avxvnni", "avx512")   # the names reported ("avx2": AVX2, no VNNI)
+    assert best in ("generic", "avx2", "avxvnni", "avx512")   # the variant names ("avx2": AVX2, no VNNI)
     monkeypatch.setenv("HF_W4_ISA", "generic")
     assert torch.ops.hf_w4.int8_isa("") == "generic"
-    monkeypatch.setenv("HF_W4_ISA", "avx512")   # a cap at or above this CPU's best changes nothing
-    assert torch.ops.hf_w4.int8_isa("") == best
+    monkeypatch.setenv("HF_W4_ISA", "avx512")
+    if best == "avx512":
+        assert torch.ops.hf_w4.int8_isa("") == "avx512"
+    else:
+        with pytest.raises(RuntimeError, match="HF_W4_ISA='avx512' is not available: this CPU has"):
+            torch.ops.hf_w4.int8_isa("")
     monkeypatch.setenv("HF_W4_ISA", "bogus")
-    with pytest.raises(RuntimeError, match="HF_W4_ISA"):
+    with pytest.raises(RuntimeError, match="HF_W4_ISA='bogus' is not an ISA name"):
         torch.ops.hf_w4.int8_isa("")
-    with pytest.raises(RuntimeError, match="isa must be"):
+    monkeypatch.delenv("HF_W4_ISA")
+    with pytest.raises(RuntimeError, match="isa='sse9' is not an ISA name; use auto, avx512, avx2, generic, or one "
+                                           "of this kernel's variants avxvnni, avx2novnni, amx"):
         torch.ops.hf_w4.int8_isa("sse9")
 
 

@@ -72,17 +72,17 @@ def test_support_matrix_is_generated():
 
 
 def test_registry_order_is_priority_then_name():
-    # equal priorities (cpu_int8, cpu_w4a16) must not be ordered by import order: the README table is compared
+    # equal priorities (cpu_int8, cpu_w4a16) must not be ordered by import order: the docs/usage.md table is compared
     # verbatim, and the test modules import the kernel modules in different orders
     ks = registry.kernels()
     assert ks == sorted(ks, key=lambda c: (-c.PRIORITY, c.NAME))
 
 
-def test_readme_matrix_is_generated_from_the_registry():
+def test_docs_matrix_is_generated_from_the_registry():
     import pathlib
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    assert registry.support_matrix(status=False) in readme, \
-        "README's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"
+    usage = (pathlib.Path(__file__).parents[2] / "docs" / "usage.md").read_text()
+    assert registry.support_matrix(status=False) in usage, \
+        "docs/usage.md's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"
 
 
 def test_kernel_without_its_ops_says_why():

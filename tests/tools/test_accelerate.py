@@ -25,9 +25,9 @@ def _env():
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("OMP_NUM_THREADS", None)          # let accelerate give each rank its share of the cores
-    # bf16 prefill without AMX takes the large-M path each process timed fastest (csrc/cpu/w4a16_torch.cpp);
-    # with 2 threads in one process and 1 per rank the timings, and so the rounding, may differ (perplexity
-    # 513.35218 vs 513.35210 on an AVX2 EPYC): one fixed path makes "the same numbers, bit for bit" a claim
+    # one fixed large-M path for bf16 prefill: with 2 threads in one process and 1 per rank a GEMM library may
+    # split its sums differently (perplexity 513.35218 vs 513.35210 on an AVX2 EPYC, where the rule ends in a GEMM);
+    # the fp32 path makes "the same numbers, bit for bit" a claim
     env["HF_W4_LARGE_PATH"] = "fp32"
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)

@@ -4,10 +4,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
+#include <string>
 #include <vector>
 
-#include "isa.h"
+#include "cpu_features.h"
 
 namespace hf_w4 {
 
@@ -28,14 +28,13 @@ inline at::Tensor checked_perm(const at::Tensor& perm, int64_t k, const char* op
   return p;
 }
 
-// The W4A16 ops' ISA request ("" / auto / avx512 / avx2 / generic, else env HF_W4_ISA), checked: a misspelt name
-// would otherwise run on the best ISA without a word.
+// The ISA level for an op's isa argument ("" / auto, else a level name; "" reads HF_W4_ISA), checked: an unknown
+// name or a level this CPU lacks is an error naming what was asked, what the CPU has and what is supported.
 inline CpuIsa checked_isa(const char* requested, const char* op) {
-  TORCH_CHECK(parse_isa(requested) != -2, op, ": isa must be one of '', auto, avx512, avx2, generic; got '",
-              requested, "'");
-  const char* env = std::getenv("HF_W4_ISA");
-  TORCH_CHECK(parse_isa(env) != -2, op, ": HF_W4_ISA must be one of auto, avx512, avx2, generic; got '", env, "'");
-  return choose_isa(requested);
+  CpuIsa isa;
+  std::string err;
+  TORCH_CHECK(resolve_isa(requested, isa, err), op, ": ", err);
+  return isa;
 }
 
 }  // namespace hf_w4
