@@ -153,11 +153,8 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   const int nt = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int m0 = mb * BM;
-  const int ksteps = a.k / 16;
-  const int kb = split * steps_per_split;
-  const int ke = min(ksteps, kb + steps_per_split);
-  const int first = kb + warp;
-  const int nsteps = first < ke ? (ke - first + 3) / 4 : 0;
+  int first;
+  const int nsteps = warp_steps(a.k / 16, steps_per_split, split, warp, &first);
 
   float acc[MT][8][4];
 #pragma unroll

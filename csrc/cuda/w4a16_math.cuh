@@ -20,6 +20,8 @@
 namespace hf_w4 {
 namespace cuda {
 
+enum WeightKind : int { kInt4Sym = 0, kInt4Asym = 1, kNvfp4 = 2 };
+
 constexpr int kTileN = 64;  // columns per packed tile (8 mma n8 sub-tiles)
 constexpr int kTileK = 16;  // k per packed step (one mma k16)
 
@@ -84,6 +86,42 @@ HF_W4_HD uint32_t nvfp4_scale2(uint32_t b) {
 template <class F16, class A>
 HF_W4_HD uint32_t nvfp4_dequant(uint32_t word, int i, uint32_t scale2_f16) {
   return A::from_f16x2(F16::mul2(F16::mul2(e2m1_pair_bits(word, i), kE2M1Rescale), scale2_f16));
+}
+
+// ---- work split (host)
+// Work split of the fused kernel: a block computes BM = 16 * mt rows x 64 columns over steps_per_split k16 steps;
+// grid (Npad/64, splits, mblocks). Split-K brings the block count up to ~4 per SM where N is small.
+struct GemmPlan {
+  int mt, bm, mblocks, ntiles, splits, steps_per_split;
+  int64_t ws_floats;
+  int counters;
+};
+
+inline GemmPlan plan_gemm(int m, int npad, int k, int sms) {
+  GemmPlan p;
+  p.mt = m <= 16 ? 1 : (m <= 32 ? 2 : 4);
+  p.bm = 16 * p.mt;
+  p.mblocks = (m + p.bm - 1) / p.bm;
+  p.ntiles = npad / 64;
+  const int ksteps = k / 16;
+  const int blocks = p.ntiles * p.mblocks;
+  int s = (4 * sms + blocks - 1) / blocks;
+  const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (2 per warp) per split
+  s = s < 1 ? 1 : (s > max_s ? max_s : s);
+  p.steps_per_split = (ksteps + s - 1) / s;
+  p.splits = p.steps_per_split ? (ksteps + p.steps_per_split - 1) / p.steps_per_split : 1;
+  if (p.splits < 1) p.splits = 1;
+  p.ws_floats = p.splits > 1 ? (int64_t)p.mblocks * p.ntiles * p.splits * p.bm * 64 : 0;
+  p.counters = p.splits > 1 ? p.mblocks * p.ntiles : 0;
+  return p;
+}
+
+// The k16 steps warp ``warp`` of split ``split`` runs: first, first + 4, ... (count of them), as the kernel does.
+HF_W4_HD int warp_steps(int ksteps, int steps_per_split, int split, int warp, int* first) {
+  const int kb = split * steps_per_split;
+  const int ke = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
+  *first = kb + warp;
+  return *first < ke ? (ke - *first + 3) / 4 : 0;
 }
 
 }  // namespace cuda

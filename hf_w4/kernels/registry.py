@@ -55,7 +55,7 @@ def _load_builtin() -> None:
     _loaded = True
     register(TorchReferenceKernel)
     import importlib
-    for mod in ("cpu_w4a16", "cpu_int8", "zentorch"):
+    for mod in ("cpu_w4a16", "cpu_int8", "zentorch", "cuda_w4a16"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:  # a kernel module not present in this build of hf_w4
