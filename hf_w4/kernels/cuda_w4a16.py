@@ -155,6 +155,7 @@ class CudaW4A16Kernel(Kernel):
         self.weight_type = qw.weight_type
         self.group_size = 16 if qw.weight_type == "nvfp4" else qw.group_size
         self.global_scale = float(qw.global_scale) if qw.global_scale is not None else 1.0
+        self.large_m = large_m()  # read here, not per call: apply stays free of environment lookups (torch.compile)
 
     CAN_UNPACK_CODES = True
 
@@ -185,7 +186,7 @@ class CudaW4A16Kernel(Kernel):
         if x.dtype not in (torch.float16, torch.bfloat16):
             w = self.dense_weight(layer, torch.bfloat16).to(x.dtype)
             y = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
-        elif x2.shape[0] >= large_m():
+        elif x2.shape[0] >= self.large_m:
             y = F.linear(x2, self.dense_weight(layer, x.dtype), None if bias is None else bias.to(x.dtype))
         else:
             y = torch.ops.hf_w4.cuda_w4a16_gemm(x2, b["cuda_w4a16_q"], self._scales(b, x.dtype), b["cuda_w4a16_z"],
