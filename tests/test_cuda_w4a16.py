@@ -48,8 +48,9 @@ def host(tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     lib.hf_w4_host_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
     lib.hf_w4_host_check_plan.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)]
-    for f in ("hf_w4_host_e2m1", "hf_w4_host_e4m3", "hf_w4_host_int4"):
+    for f in ("hf_w4_host_e2m1", "hf_w4_host_e4m3", "hf_w4_host_int4", "hf_w4_host_f16_round"):
         getattr(lib, f).restype = ctypes.c_uint32
+    lib.hf_w4_host_f16_round.argtypes = [ctypes.c_float]
     return lib
 
 
@@ -73,6 +74,16 @@ def test_work_split_covers_k_once(host, m, npad, k):
 
 def _half_bits(bits, dtype):
     return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).float().item()
+
+
+def test_host_fp16_rounding_matches_torch(host):
+    """The host emulation's float -> fp16 rounding (ties, subnormals, overflow) is torch's."""
+    gen = torch.Generator().manual_seed(0)
+    vals = torch.cat([torch.randn(4000, generator=gen) * 10.0 ** torch.randint(-9, 6, (4000,), generator=gen),
+                      torch.tensor([65504.0, 65519.0, 65520.0, 1e6, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 0.0,
+                                    -0.0, 2049.0, 2051.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])])
+    got = torch.tensor([host.hf_w4_host_f16_round(float(v)) for v in vals], dtype=torch.int32)
+    assert torch.equal(got.to(torch.int16), vals.to(torch.float16).view(torch.int16).to(torch.int16))
 
 
 def test_bit_tricks_exhaustive(host):

@@ -95,7 +95,8 @@ class CudaW4A16Kernel(Kernel):
     ACT_DTYPES = (torch.float16, torch.bfloat16)  # the mma.sync operand types; fp32 models take the reference
     K_MULTIPLE = 16                               # one mma k16 step per packed tile
     DESCRIPTION = ("CUDA (sm_80+): fused dequantize + mma.sync kernel streaming the 4-bit weights once for small M "
-                   "(split-K where N is small), dequantize + cuBLAS for large M; NVFP4 global scale in fp32")
+                   "(split-K where N is small), dequantize + cuBLAS for large M; NVFP4 global scale in fp32; K and "
+                   "int4 group sizes multiples of 16")
 
     @classmethod
     def is_supported(cls):

@@ -1,7 +1,8 @@
 // Host build of csrc/cuda/w4a16_math.cuh for tests/test_cuda_w4a16.py (g++ -shared, loaded with ctypes): runs the
 // kernels' layout maps and dequantization recipes on the CPU, with fp16 / bf16 arithmetic emulated exactly as the
 // GPU rounds it (each operation computed in fp32, where it is exact for these operands, then rounded to nearest
-// even once).
+// even once). Also exports a float -> fp16 rounding for its own test against torch.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -12,17 +13,28 @@ using namespace hf_w4::cuda;
 
 namespace {
 
+// IEEE binary16 by hand (no _Float16: older compilers lack it)
 float f16_to_float(uint32_t b) {
-  const uint16_t v = (uint16_t)b;
-  _Float16 h;
-  std::memcpy(&h, &v, 2);
-  return (float)h;
+  const uint32_t e = (b >> 10) & 31u, m = b & 1023u;
+  const float mag = e == 0 ? std::ldexp((float)m, -24) : (e == 31 ? (m ? NAN : INFINITY)
+                                                                     : std::ldexp((float)(1024u + m), (int)e - 25));
+  return (b & 0x8000u) ? -mag : mag;
 }
-uint32_t float_to_f16(float f) {
-  const _Float16 h = (_Float16)f;  // correctly rounded (nearest even)
-  uint16_t v;
-  std::memcpy(&v, &h, 2);
-  return v;
+uint32_t float_to_f16(float f) {  // nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (ax >= 0x47800000u) return sign | 0x7c00u;  // >= 65536: inf
+  if (ax < 0x38800000u) {                        // below 2^-14: a multiple of 2^-24, rounded
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return sign | (uint32_t)std::nearbyint(a * 16777216.0f);
+  }
+  const uint32_t m = ax & 0x7fffffu, rem = m & 0x1fffu;
+  uint32_t h = ((((ax >> 23) - 127u + 15u)) << 10) | (m >> 13);
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent (up to inf)
+  return sign | h;
 }
 float bf16_to_float(uint32_t b) {
   const uint32_t u = (b & 0xffffu) << 16;
@@ -167,3 +179,5 @@ int hf_w4_host_check_plan(int m, int npad, int k, int sms, int* splits) {
   return bad;
 }
 }
+
+extern "C" uint32_t hf_w4_host_f16_round(float f) { return float_to_f16(f); }
