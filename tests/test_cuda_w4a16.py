@@ -69,10 +69,13 @@ def test_fragment_maps_invert_and_cover(host, npad, k):
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 100, 257, 2048])
 @pytest.mark.parametrize("npad,k", [(192, 576), (4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192),
                                     (64, 16), (64, 144)])
-def test_work_split_covers_k_once(host, m, npad, k):
+@pytest.mark.parametrize("slots", [132 * 4, 108 * 2, 1])
+def test_work_split_covers_k_once(host, m, npad, k, slots):
     splits = ctypes.c_int()
-    assert host.hf_w4_host_check_plan(m, npad, k, 132, ctypes.byref(splits)) == 0
+    assert host.hf_w4_host_check_plan(m, npad, k, slots, ctypes.byref(splits)) == 0
     assert splits.value >= 1
+    if (m, npad, k, slots) == (1, 4096, 4096, 528):  # 64 column tiles x 8 splits: one full wave on an H100
+        assert splits.value == 8
 
 
 def _half_bits(bits, dtype):

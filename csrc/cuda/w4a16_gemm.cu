@@ -273,6 +273,21 @@ void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   w4a16_gemm_kernel<MT, BF16, KIND><<<grid, 128, 0, stream>>>(a, p.ntiles, p.splits, p.steps_per_split);
 }
 
+template <int MT, bool BF16, int KIND>
+int blocks_per_sm() {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_gemm_kernel<MT, BF16, KIND>, 128, 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; plan with one block per SM
+    n = 1;
+  }
+  return n > 0 ? n : 1;
+}
+
+template <bool BF16, int KIND>
+int blocks_per_sm_mt(int mt) {
+  return mt == 1 ? blocks_per_sm<1, BF16, KIND>() : (mt == 2 ? blocks_per_sm<2, BF16, KIND>() : blocks_per_sm<4, BF16, KIND>());
+}
+
 template <bool BF16, int KIND>
 void launch_gemm_mt(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   if (p.mt == 1) launch_gemm<1, BF16, KIND>(a, p, stream);
@@ -297,6 +312,21 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint32_t* w, cudaStream_
 }
 
 }  // namespace
+
+int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind) {
+  static int cache[16][3][2][3] = {};  // device, mt 1/2/4, bf16, kind
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
+  const int mi = mt == 1 ? 0 : (mt == 2 ? 1 : 2), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
+  int& c = cache[dev][mi][bf16 ? 1 : 0][ki];
+  if (!c) {
+    if (bf16) c = kind == kNvfp4 ? blocks_per_sm_mt<true, kNvfp4>(mt)
+                                 : (kind == kInt4Asym ? blocks_per_sm_mt<true, kInt4Asym>(mt) : blocks_per_sm_mt<true, kInt4Sym>(mt));
+    else c = kind == kNvfp4 ? blocks_per_sm_mt<false, kNvfp4>(mt)
+                            : (kind == kInt4Asym ? blocks_per_sm_mt<false, kInt4Asym>(mt) : blocks_per_sm_mt<false, kInt4Sym>(mt));
+  }
+  return c;
+}
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {
   if (a.m <= 0 || a.n <= 0) return cudaSuccess;

@@ -26,6 +26,9 @@ struct GemmArgs {
   bool bf16;
 };
 
+// Blocks of the fused kernel for (mt, dtype, kind) resident per SM on the current device (the occupancy API, once).
+int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind);
+
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);
 

@@ -90,22 +90,25 @@ HF_W4_HD uint32_t nvfp4_dequant(uint32_t word, int i, uint32_t scale2_f16) {
 
 // ---- work split (host)
 // Work split of the fused kernel: a block computes BM = 16 * mt rows x 64 columns over steps_per_split k16 steps;
-// grid (Npad/64, splits, mblocks). Split-K brings the block count up to ~4 per SM where N is small.
+// grid (Npad/64, splits, mblocks). Where the tiles alone do not fill the GPU (``slots`` = SMs x resident blocks per
+// SM), split-K multiplies the blocks up to at most one full wave (a partial second wave would cost a whole wave).
+HF_W4_HD int plan_mt(int m) { return m <= 16 ? 1 : (m <= 32 ? 2 : 4); }
+
 struct GemmPlan {
   int mt, bm, mblocks, ntiles, splits, steps_per_split;
   int64_t ws_floats;
   int counters;
 };
 
-inline GemmPlan plan_gemm(int m, int npad, int k, int sms) {
+inline GemmPlan plan_gemm(int m, int npad, int k, int slots) {
   GemmPlan p;
-  p.mt = m <= 16 ? 1 : (m <= 32 ? 2 : 4);
+  p.mt = plan_mt(m);
   p.bm = 16 * p.mt;
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;
   const int ksteps = k / 16;
   const int blocks = p.ntiles * p.mblocks;
-  int s = (4 * sms + blocks - 1) / blocks;
+  int s = slots / blocks;
   const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (2 per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);
   p.steps_per_split = (ksteps + s - 1) / s;

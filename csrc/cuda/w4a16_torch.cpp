@@ -86,7 +86,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const int64_t npad = (n + 63) / 64 * 64;
-  const GemmPlan plan = plan_gemm((int)m, (int)npad, (int)k, sm_count(x.get_device()));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int slots = sm_count(x.get_device()) * w4a16_gemm_blocks_per_sm(plan_mt((int)m), bf16, kind);
+  const GemmPlan plan = plan_gemm((int)m, (int)npad, (int)k, slots);
   at::Tensor ws, counters;
   if (plan.splits > 1) {
     ws = at::empty({(int64_t)plan.ws_floats}, x.options().dtype(at::kFloat));
@@ -108,7 +110,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   a.group_size = kind == kNvfp4 ? 16 : (int)group_size;
   a.global_scale = (float)global_scale;
   a.kind = kind;
-  a.bf16 = x.scalar_type() == at::kBFloat16;
+  a.bf16 = bf16;
   C10_CUDA_CHECK(w4a16_gemm(a, plan, c10::cuda::getCurrentCUDAStream()));
   return y;
 }

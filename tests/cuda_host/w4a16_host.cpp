@@ -155,10 +155,10 @@ uint32_t hf_w4_host_int4(uint32_t v, uint32_t z, int bf16) {
 }
 
 extern "C" {
-// The fused kernel's work split for (M, Npad, K) on a GPU with ``sms`` SMs: every k16 step is run by exactly one
+// The fused kernel's work split for (M, Npad, K) with ``slots`` resident blocks: every k16 step is run by exactly one
 // (split, warp) and the split count matches the grid; returns the violations, and the plan's splits in *splits.
-int hf_w4_host_check_plan(int m, int npad, int k, int sms, int* splits) {
-  const GemmPlan p = plan_gemm(m, npad, k, sms);
+int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
+  const GemmPlan p = plan_gemm(m, npad, k, slots);
   *splits = p.splits;
   const int ksteps = k / 16;
   std::vector<int> seen(ksteps, 0);
@@ -176,6 +176,7 @@ int hf_w4_host_check_plan(int m, int npad, int k, int sms, int* splits) {
   for (int c : seen) bad += c != 1;
   bad += p.mblocks * p.bm < m || (p.mblocks - 1) * p.bm >= m;
   bad += p.splits > 1 && p.ws_floats != (int64_t)p.mblocks * p.ntiles * p.splits * p.bm * 64;
+  bad += p.splits > 1 && (int64_t)p.splits * p.ntiles * p.mblocks > slots;  // never more than one wave from split-K
   return bad;
 }
 }
