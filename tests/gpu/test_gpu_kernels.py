@@ -145,3 +145,23 @@ def test_autograd_input_gradient():
     kern.apply(layer, x, None).float().sum().backward()
     w = kernel_dtype_weight(qw, torch.bfloat16).float()
     torch.testing.assert_close(x.grad.float(), w.sum(0).expand(3, -1), rtol=2 ** -7, atol=1e-3)
+
+
+def test_opcheck():
+    """Schemas, fake implementations and the autograd registration of the CUDA ops agree with the kernels."""
+    spec, qw = make_qweight("ct_pack", 64, 256, 64, sym=False, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    s = kern._scales(b, torch.bfloat16)
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (x, b["cuda_w4a16_q"], s, b["cuda_w4a16_z"], None, 64, 64,
+                                                             "int4", 1.0))
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_dequant, (b["cuda_w4a16_q"], s, b["cuda_w4a16_z"], 64, 256, 64,
+                                                               "int4", 1.0, torch.bfloat16))
+    spec, qw = make_qweight("modelopt_nvfp4", 64, 256, 16, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    xg = torch.randn(2, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(64, device="cuda", dtype=torch.float16, requires_grad=True)
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (xg, b["cuda_w4a16_q"], b["cuda_w4a16_s"], None, bias, 64,
+                                                             16, "nvfp4", 0.5))
