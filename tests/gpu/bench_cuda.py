@@ -33,9 +33,22 @@ def peak_bandwidth() -> float:
     return float(os.environ.get("HF_W4_BENCH_PEAK_TBS", "3.35")) * 1e12
 
 
+ERRORS = []
+
+
 def timed(fn, copies: int, calls: int) -> float:
     """Median microseconds per call, GPU time: ``calls`` calls (call i on weight copy i % copies) captured in one
-    CUDA graph and replayed (eager launches would measure the CPU's launch rate at small M, not the kernels)."""
+    CUDA graph and replayed (eager launches would measure the CPU's launch rate at small M, not the kernels).
+    A failure is recorded in ERRORS and gives NaN: the table goes on."""
+    try:
+        return _timed(fn, copies, calls)
+    except Exception as e:  # noqa: BLE001 - reported at the end
+        ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def _timed(fn, copies: int, calls: int) -> float:
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(cur)
@@ -157,11 +170,13 @@ def main() -> int:
         torch.cuda.empty_cache()
     if int4pack_note:
         print(int4pack_note)
+    for err in dict.fromkeys(ERRORS):
+        print("ERROR while timing:", err)
     met = sum(ok for _, ok, _ in targets)
     print(f"speed targets (worst of fp16 / bf16): {met} of {len(targets)} met")
     for what, ok, v in targets:
         print(f"  {'MET   ' if ok else 'MISSED'} {what}: {v:.2f}x")
-    return 0
+    return 1 if ERRORS else 0
 
 
 if __name__ == "__main__":
