@@ -100,6 +100,7 @@ def test_bit_tricks_exhaustive(host):
             continue
         want = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
         assert _half_bits(host.hf_w4_host_e4m3(b), torch.float16) == want, hex(b)
+    assert host.hf_w4_host_check_zero_pair() == 0  # the PRMT form of the zero-point pair
     for dt, bf in ((torch.float16, 0), (torch.bfloat16, 1)):  # magic numbers: (bias + v) - (bias + z) = v - z
         for v in range(16):
             for z in range(128):

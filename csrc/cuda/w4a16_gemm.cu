@@ -101,11 +101,9 @@ __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b
     b1 = nvfp4_dequant<DevF16, Out>(word, 2 * p + 1, s2);
   } else {
     const uint32_t sv[4] = {t.s.x, t.s.y, t.s.z, t.s.w};
-    const uint32_t sh = (sv[sub >> 1] >> (16 * (sub & 1))) & 0xffffu;
-    const uint32_t s2 = sh | (sh << 16);
-    uint32_t z = 8u;
-    if constexpr (KIND == kInt4Asym) z = ((sub < 4 ? t.z.x : t.z.y) >> (8 * (sub & 3))) & 0xffu;
-    const uint32_t z2 = int4_zero_bits(z, Out::kBF16);
+    const uint32_t s2 = broadcast16(sv[sub >> 1], sub & 1);
+    uint32_t z2 = int4_zero_bits(8u, Out::kBF16);
+    if constexpr (KIND == kInt4Asym) z2 = int4_zero_pair(sub < 4 ? t.z.x : t.z.y, sub & 3, Out::kBF16);
     b0 = int4_dequant<Out>(word, 2 * p, z2, s2);
     b1 = int4_dequant<Out>(word, 2 * p + 1, z2, s2);
   }

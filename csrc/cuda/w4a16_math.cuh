@@ -59,6 +59,23 @@ HF_W4_HD uint32_t int4_zero_bits(uint32_t z, bool bf16) {
   const uint32_t b = (bf16 ? 0x4300u : 0x6400u) | z;
   return b | (b << 16);
 }
+// PRMT (__byte_perm): byte i of the result is byte sel[4i..4i+2] of the 8-byte pool (b:a); the host emulates it
+HF_W4_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t pool = ((uint64_t)b << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= (uint32_t)((pool >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+// 16-bit value ``half`` (0 = low, 1 = high) of word, in both halves (one PRMT): a scale broadcast to a pair
+HF_W4_HD uint32_t broadcast16(uint32_t word, int half) { return prmt(word, 0u, half ? 0x3232u : 0x1010u); }
+// zero-point byte ``idx`` (0..3) of word as int4_zero_bits gives it (one PRMT: bytes z, 0x64 / 0x43, z, 0x64 / 0x43)
+HF_W4_HD uint32_t int4_zero_pair(uint32_t word, int idx, bool bf16) {
+  return prmt(word, bf16 ? 0x43u : 0x64u, 0x4040u | ((uint32_t)idx << 8) | (uint32_t)idx);
+}
 // E2M1 codes of pair i as fp16 with value * 2^-14 (exponent and mantissa moved into the fp16 fields; code 1 = 0.5
 // lands on an fp16 subnormal, still exact)
 HF_W4_HD uint32_t e2m1_pair_bits(uint32_t word, int i) {

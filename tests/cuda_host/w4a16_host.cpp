@@ -76,9 +76,12 @@ uint32_t pair(const uint32_t* w4, const void* scales, const uint8_t* zeros, int 
     const uint32_t s2 = nvfp4_scale2<HostF16>(static_cast<const uint8_t*>(scales)[goff + sub]);
     return f16_product ? nvfp4_dequant<HostF16, HostF16>(word, i, s2) : nvfp4_dequant<HostF16, A>(word, i, s2);
   }
-  const uint32_t sh = static_cast<const uint16_t*>(scales)[goff + sub];
-  const uint32_t z = kind == kInt4Asym ? zeros[goff + sub] : 8u;
-  return int4_dequant<A>(word, i, int4_zero_bits(z, A::kBF16), sh | (sh << 16));
+  // the lane's 8 scales / 8 zero bytes as the device holds them in registers, picked as it picks them
+  uint32_t sv[4], zv[2] = {0u, 0u};
+  std::memcpy(sv, static_cast<const uint16_t*>(scales) + goff, 16);
+  if (kind == kInt4Asym) std::memcpy(zv, zeros + goff, 8);
+  const uint32_t z2 = kind == kInt4Asym ? int4_zero_pair(zv[sub >> 2], sub & 3, A::kBF16) : int4_zero_bits(8u, A::kBF16);
+  return int4_dequant<A>(word, i, z2, broadcast16(sv[sub >> 1], sub & 1));
 }
 
 template <class A>
@@ -182,3 +185,15 @@ int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
 }
 
 extern "C" uint32_t hf_w4_host_f16_round(float f) { return float_to_f16(f); }
+
+// int4_zero_pair (PRMT) against int4_zero_bits for every zero point 0..127 in each byte position; returns violations
+extern "C" int hf_w4_host_check_zero_pair() {
+  int bad = 0;
+  for (int bf16 = 0; bf16 < 2; ++bf16)
+    for (uint32_t z = 0; z < 128; ++z)
+      for (int idx = 0; idx < 4; ++idx) {
+        const uint32_t word = (0xa5c3e1f0u & ~(0xffu << (8 * idx))) | (z << (8 * idx));  // other bytes: noise
+        bad += int4_zero_pair(word, idx, bf16) != int4_zero_bits(z, bf16);
+      }
+  return bad;
+}
