@@ -91,6 +91,10 @@ def packed(n: int, k: int, wt: str, copies: int):
 
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
+    ok, why = cw.CudaW4A16Kernel.is_supported()  # loads (or JIT-builds) the CUDA library
+    if not ok:
+        print(f"cuda_w4a16 is not usable here: {why}")
+        return 1
     peak = peak_bandwidth()
     large = cw.large_m()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
