@@ -184,7 +184,9 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     }
   }
 
+  // Only the block's rows below M are reduced, stored and read back (M = 1 touches 64 of the BM x 64 values).
   // accumulator c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols)
+  const int rows = a.m - m0 < BM ? a.m - m0 : BM, nvals = rows * 64;
   const int g = lane >> 2, t = lane & 3;
   for (int w = 0; w < 4; ++w) {
     if (warp == w) {
@@ -194,8 +196,8 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
         for (int sub = 0; sub < 8; ++sub)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const int i = (mt * 16 + g + 8 * (r >> 1)) * 64 + sub * 8 + 2 * t + (r & 1);
-            red[i] = w == 0 ? acc[mt][sub][r] : red[i] + acc[mt][sub][r];
+            const int row = mt * 16 + g + 8 * (r >> 1), i = row * 64 + sub * 8 + 2 * t + (r & 1);
+            if (row < rows) red[i] = w == 0 ? acc[mt][sub][r] : red[i] + acc[mt][sub][r];
           }
     }
     __syncthreads();
@@ -203,16 +205,24 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 
   if (splits > 1) {
     float* part = a.workspace + (size_t)(mb * ntiles + nt) * splits * (BM * 64);
-    for (int i = tid; i < BM * 64; i += 128) part[(size_t)split * (BM * 64) + i] = red[i];
+    for (int i = tid; i < nvals; i += 128) part[(size_t)split * (BM * 64) + i] = red[i];
     __threadfence();
     __syncthreads();
     if (tid == 0) is_last = atomicAdd(a.counters + mb * ntiles + nt, 1) == splits - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = tid; i < BM * 64; i += 128) {  // each thread re-reads only its own red[i] below
+    for (int i = tid; i < nvals; i += 128) {  // each thread re-reads only its own red[i] below
+      // the loads of 8 splits are issued together (independent L2 reads); the sum stays in split order
       float v = 0.f;
-      for (int s = 0; s < splits; ++s) v += __ldcg(part + (size_t)s * (BM * 64) + i);
+      for (int s0 = 0; s0 < splits; s0 += 8) {
+        float p[8];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) p[s] = s0 + s < splits ? __ldcg(part + (size_t)(s0 + s) * (BM * 64) + i) : 0.f;
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+          if (s0 + s < splits) v += p[s];
+      }
       red[i] = v;
     }
     if (tid == 0) a.counters[mb * ntiles + nt] = 0;
@@ -220,9 +230,9 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 
   const uint16_t* bias = static_cast<const uint16_t*>(a.bias);
   uint16_t* y = static_cast<uint16_t*>(a.y);
-  for (int i = tid; i < BM * 64; i += 128) {
+  for (int i = tid; i < nvals; i += 128) {
     const int row = m0 + i / 64, col = nt * 64 + (i & 63);
-    if (row < a.m && col < a.n) {
+    if (col < a.n) {
       float v = red[i] * a.global_scale;
       if (bias) v += A::to_float(bias[col]);
       y[(size_t)row * a.n + col] = A::from_float(v);
