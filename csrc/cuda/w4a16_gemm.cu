@@ -47,6 +47,18 @@ __device__ __forceinline__ uint4 ld_stream(const int32_t* p) {
   return r;
 }
 
+// Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), its commit group and the wait for all
+// but the N most recent groups (the copies become visible to the issuing thread)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (BF16) {
@@ -69,11 +81,14 @@ struct WTile {
   uint2 z;  // asymmetric int4: 8 zero-point bytes
 };
 
+__device__ __forceinline__ const int32_t* wtile_ptr(const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
+  return a.qpack + (((size_t)kt * ntiles + nt) * 32 + lane) * 4;
+}
+
+// scales and zero points of a tile (r.w untouched)
 template <int KIND>
-__device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
-  WTile r;
+__device__ __forceinline__ void load_scales(WTile& r, const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
   const int g = lane >> 2;
-  r.w = ld_stream(a.qpack + (((size_t)kt * ntiles + nt) * 32 + lane) * 4);
   r.z = make_uint2(0u, 0u);
   if constexpr (KIND == kNvfp4) {
     const uint2 s8 = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.scales) +
@@ -84,6 +99,13 @@ __device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, i
     r.s = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.scales) + off));
     if constexpr (KIND == kInt4Asym) r.z = __ldg(reinterpret_cast<const uint2*>(a.zeros + off));
   }
+}
+
+template <int KIND>
+__device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
+  WTile r;
+  r.w = ld_stream(wtile_ptr(a, kt, nt, ntiles, lane));
+  load_scales<KIND>(r, a, kt, nt, ntiles, lane);
   return r;
 }
 
@@ -111,7 +133,7 @@ __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b
 
 template <int MT>
 struct Stage {
-  WTile wt;
+  WTile wt;           // scales / zero points (the weights come from the shared-memory ring)
   uint32_t a[MT][4];  // A fragments of the MT m16 tiles
 };
 
@@ -120,7 +142,7 @@ struct Stage {
 template <int MT, int KIND>
 __device__ __forceinline__ void load_stage(Stage<MT>& st, const GemmArgs& a, int kt, int nt, int ntiles, int m0,
                                            int lane) {
-  st.wt = load_wtile<KIND>(a, kt, nt, ntiles, lane);
+  load_scales<KIND>(st.wt, a, kt, nt, ntiles, lane);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const int col = kt * 16 + 2 * (lane & 3);
 #pragma unroll
@@ -135,8 +157,10 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const GemmArgs& a, int
   }
 }
 
-// Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the k16 steps kb + w, kb + w + 4, ... of its split
-// and keeps PF steps of weights, scales and activations in flight in registers. The warps' partial sums are added
+// Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the k16 steps kb + w, kb + w + 4, ... of its split.
+// The weights stream through a per-lane ring of WS stages in shared memory (cp.async: many bytes in flight without
+// registers; a lane reads back only the 16 bytes it copied itself, so no barrier is needed), scales and activations
+// (L1 / L2 hits) through PF stages in registers. The warps' partial sums are added
 // in warp order in shared memory; with split-K every split stores its partial tile and the last block to arrive
 // (a per-tile counter) adds them in split order: the result does not depend on scheduling.
 template <int MT, bool BF16, int KIND>
@@ -146,6 +170,8 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   using A = DevAct<BF16>;
   constexpr int BM = 16 * MT;
   constexpr int PF = MT == 1 ? 4 : (MT == 2 ? 3 : 2);
+  constexpr int WS = MT == 4 ? 8 : 16;  // weight stages per lane (power of 2; 16 KB / 32 KB of shared memory)
+  __shared__ uint4 wring[4][WS][32];
   __shared__ float red[BM * 64];
   __shared__ int is_last;
   const int nt = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
@@ -162,6 +188,13 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
 
+  // weight ring: commit group i holds step i (empty past nsteps); step s is in slot s % WS
+  uint4(&wr)[WS][32] = wring[warp];
+#pragma unroll
+  for (int p = 0; p < WS - 1; ++p) {
+    if (p < nsteps) cp_async16(&wr[p][lane], wtile_ptr(a, first + 4 * p, nt, ntiles, lane));
+    cp_async_commit();
+  }
   Stage<MT> ring[PF];
 #pragma unroll
   for (int p = 0; p < PF; ++p)
@@ -171,7 +204,14 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     for (int p = 0; p < PF; ++p) {
       const int s = base + p;
       if (s < nsteps) {
-        const Stage<MT> cur = ring[p];
+        // WS - 1 + s groups committed; all but the newest WS - 2 done means groups 0..s are
+        cp_async_wait<WS - 2>();
+        Stage<MT> cur = ring[p];
+        cur.wt.w = wr[s & (WS - 1)][lane];
+        // refill the slot read at step s - 1 (already consumed by this lane) with step s + WS - 1
+        const int nx = s + WS - 1;
+        if (nx < nsteps) cp_async16(&wr[nx & (WS - 1)][lane], wtile_ptr(a, first + 4 * nx, nt, ntiles, lane));
+        cp_async_commit();
         if (s + PF < nsteps) load_stage<MT, KIND>(ring[p], a, first + 4 * (s + PF), nt, ntiles, m0, lane);
 #pragma unroll
         for (int sub = 0; sub < 8; ++sub) {
