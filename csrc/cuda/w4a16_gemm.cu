@@ -281,36 +281,48 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 #endif
 }
 
-// One thread per (k16 step, tile, lane): its 64 weights into the dense [N, K] (row-major) output
+// Block: one 64-column tile x kDqSteps k16 steps. Warp w dequantizes step kt0 + w (each lane its 64 weights) into a
+// shared [64 n][kDqSteps * 16 k] tile; the block then writes whole 16-byte pieces of rows of the dense [N, K]
+// (row-major) output, so a warp stores two contiguous 256-byte row segments instead of scattered 4-byte pairs.
+constexpr int kDqSteps = 8;
+
 template <bool BF16, int KIND>
-__global__ void __launch_bounds__(256) w4a16_dequant_kernel(const GemmArgs a, const int ntiles, uint32_t* w) {
+__global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const GemmArgs a, const int ntiles, uint16_t* w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using A = DevAct<BF16>;
-  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t total = (int64_t)(a.k / 16) * ntiles * 32;
-  if (idx >= total) return;
-  const int lane = (int)(idx & 31);
-  const int64_t tile = idx >> 5;
-  const int nt = (int)(tile % ntiles), kt = (int)(tile / ntiles);
-  const WTile t = load_wtile<KIND>(a, kt, nt, ntiles, lane);
+  constexpr int kRowWords = kDqSteps * 8 + 4;  // k pairs per row, + 4 words: the lanes of a store hit 32 banks
+  __shared__ __align__(16) uint32_t tile[64 * kRowWords];
+  const int nt = blockIdx.x, kt0 = blockIdx.y * kDqSteps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nsteps = a.k / 16 - kt0 < kDqSteps ? a.k / 16 - kt0 : kDqSteps;
+  if (warp < nsteps) {
+    const int kt = kt0 + warp;
+    const WTile t = load_wtile<KIND>(a, kt, nt, ntiles, lane);
 #pragma unroll
-  for (int sub = 0; sub < 8; ++sub) {
-    uint32_t b[2];
-    if constexpr (KIND == kNvfp4) {  // global scale in fp32 before the one rounding into x's dtype
-      dequant_sub<DevF16, KIND>(t, sub, b[0], b[1]);
+    for (int sub = 0; sub < 8; ++sub) {
+      uint32_t b[2];
+      if constexpr (KIND == kNvfp4) {  // global scale in fp32 before the one rounding into x's dtype
+        dequant_sub<DevF16, KIND>(t, sub, b[0], b[1]);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float2 f = __half22float2(as_h2(b[r]));
-        b[r] = A::from_float2(make_float2(f.x * a.global_scale, f.y * a.global_scale));
+        for (int r = 0; r < 2; ++r) {
+          const float2 f = __half22float2(as_h2(b[r]));
+          b[r] = A::from_float2(make_float2(f.x * a.global_scale, f.y * a.global_scale));
+        }
+      } else {
+        dequant_sub<A, KIND>(t, sub, b[0], b[1]);
       }
-    } else {
-      dequant_sub<A, KIND>(t, sub, b[0], b[1]);
-    }
-    const int n = frag_n(nt, lane, sub >> 1, 2 * (sub & 1));
-    if (n < a.n) {
+      const int row = frag_n(nt, lane, sub >> 1, 2 * (sub & 1)) - nt * 64;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) w[((size_t)n * a.k + frag_k(kt, lane, r)) / 2] = b[r];
+      for (int r = 0; r < 2; ++r) tile[row * kRowWords + (frag_k(kt, lane, r) - kt0 * 16) / 2] = b[r];
     }
+  }
+  __syncthreads();
+  const int pieces = 2 * nsteps;  // 16-byte pieces (8 k) per row
+  for (int i = threadIdx.x; i < 64 * pieces; i += 32 * kDqSteps) {
+    const int row = i / pieces, pc = i - row * pieces, n = nt * 64 + row;
+    if (n < a.n)
+      *reinterpret_cast<uint4*>(w + (size_t)n * a.k + kt0 * 16 + pc * 8) =
+          *reinterpret_cast<const uint4*>(tile + row * kRowWords + pc * 4);
   }
 #endif
 }
@@ -351,12 +363,12 @@ void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream)
 }
 
 template <bool BF16>
-void launch_dequant_kind(const GemmArgs& a, int ntiles, uint32_t* w, cudaStream_t stream) {
-  const int64_t total = (int64_t)(a.k / 16) * ntiles * 32;
-  const unsigned blocks = (unsigned)((total + 255) / 256);
-  if (a.kind == kNvfp4) w4a16_dequant_kernel<BF16, kNvfp4><<<blocks, 256, 0, stream>>>(a, ntiles, w);
-  else if (a.kind == kInt4Asym) w4a16_dequant_kernel<BF16, kInt4Asym><<<blocks, 256, 0, stream>>>(a, ntiles, w);
-  else w4a16_dequant_kernel<BF16, kInt4Sym><<<blocks, 256, 0, stream>>>(a, ntiles, w);
+void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_t stream) {
+  const dim3 grid(ntiles, (a.k / 16 + kDqSteps - 1) / kDqSteps);
+  constexpr int threads = 32 * kDqSteps;
+  if (a.kind == kNvfp4) w4a16_dequant_kernel<BF16, kNvfp4><<<grid, threads, 0, stream>>>(a, ntiles, w);
+  else if (a.kind == kInt4Asym) w4a16_dequant_kernel<BF16, kInt4Asym><<<grid, threads, 0, stream>>>(a, ntiles, w);
+  else w4a16_dequant_kernel<BF16, kInt4Sym><<<grid, threads, 0, stream>>>(a, ntiles, w);
 }
 
 }  // namespace
@@ -397,8 +409,8 @@ cudaError_t w4a16_dequant(const int32_t* qpack, const void* scales, const uint8_
   a.global_scale = global_scale;
   a.kind = kind;
   a.bf16 = bf16;
-  if (bf16) launch_dequant_kind<true>(a, npad / 64, static_cast<uint32_t*>(w), stream);
-  else launch_dequant_kind<false>(a, npad / 64, static_cast<uint32_t*>(w), stream);
+  if (bf16) launch_dequant_kind<true>(a, npad / 64, static_cast<uint16_t*>(w), stream);
+  else launch_dequant_kind<false>(a, npad / 64, static_cast<uint16_t*>(w), stream);
   return cudaGetLastError();
 }
 

@@ -33,7 +33,7 @@ int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind);
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);
 
 // The dense weight [N, K] (x's dtype; nvfp4 with the global scale applied in fp32 before the rounding), for the
-// large-M path (dense GEMM) and for tests.
+// large-M path (dense GEMM) and for tests. w must be 16-byte aligned (written in 16-byte pieces of rows).
 cudaError_t w4a16_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int npad,
                           int k, int group_size, float global_scale, int kind, bool bf16, cudaStream_t stream);
 
