@@ -170,10 +170,9 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   using A = DevAct<BF16>;
   constexpr int BM = 16 * MT;
   constexpr int PF = MT == 1 ? 4 : (MT == 2 ? 3 : 2);
-  constexpr int WS = MT == 4 ? 8 : 16;  // weight stages per lane (power of 2; 16 KB / 32 KB of shared memory)
+  constexpr int WS = 16;  // weight stages per lane (power of 2): 32 KB of shared memory, with red at most 48 KB
   __shared__ uint4 wring[4][WS][32];
   __shared__ float red[BM * 64];
-  __shared__ int is_last;
   const int nt = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int m0 = mb * BM;
@@ -248,9 +247,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     for (int i = tid; i < nvals; i += 128) part[(size_t)split * (BM * 64) + i] = red[i];
     __threadfence();
     __syncthreads();
-    if (tid == 0) is_last = atomicAdd(a.counters + mb * ntiles + nt, 1) == splits - 1;
-    __syncthreads();
-    if (!is_last) return;
+    if (!__syncthreads_or(tid == 0 && atomicAdd(a.counters + mb * ntiles + nt, 1) == splits - 1)) return;
     __threadfence();
     for (int i = tid; i < nvals; i += 128) {  // each thread re-reads only its own red[i] below
       // the loads of 8 splits are issued together (independent L2 reads); the sum stays in split order
