@@ -5,12 +5,14 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "w4a16_launch.h"
 
@@ -34,6 +36,13 @@ int sm_count(int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
   if (device < 64) cached[device] = v;
   return v;
+}
+
+// the fused kernel's work split for this call on ``device``
+GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
+  const int bps = w4a16_gemm_blocks_per_sm(plan_mt((int)m), bf16, kind);
+  if (blocks_per_sm) *blocks_per_sm = bps;
+  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
@@ -87,8 +96,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   if (m == 0) return y;
   const int64_t npad = (n + 63) / 64 * 64;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const int slots = sm_count(x.get_device()) * w4a16_gemm_blocks_per_sm(plan_mt((int)m), bf16, kind);
-  const GemmPlan plan = plan_gemm((int)m, (int)npad, (int)k, slots);
+  const GemmPlan plan = make_plan(m, npad, k, bf16, kind, x.get_device(), nullptr);
   at::Tensor ws, counters;
   if (plan.splits > 1) {
     ws = at::empty({(int64_t)plan.ws_floats}, x.options().dtype(at::kFloat));
@@ -134,6 +142,18 @@ at::Tensor dequant(const at::Tensor& qpack, const at::Tensor& scales, const std:
   return w;
 }
 
+std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weight_type_sv, bool asym, bool bf16) {
+  const std::string weight_type(weight_type_sv);
+  TORCH_CHECK(weight_type == "int4" || weight_type == "nvfp4", "hf_w4 cuda_w4a16_plan: weight_type '", weight_type,
+              "' is not supported; supported: int4, nvfp4");
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % 16 == 0, "hf_w4 cuda_w4a16_plan: M=", m, ", N=", n, ", K=", k,
+              ": expected positive sizes and K a multiple of 16");
+  const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
+  int bps = 0;
+  const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps};
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace hf_w4
@@ -141,4 +161,8 @@ at::Tensor dequant(const at::Tensor& qpack, const at::Tensor& scales, const std:
 TORCH_LIBRARY_IMPL(hf_w4, CUDA, m) {
   m.impl("cuda_w4a16_gemm", &hf_w4::cuda::gemm);
   m.impl("cuda_w4a16_dequant", &hf_w4::cuda::dequant);
+}
+
+TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
+  m.impl("cuda_w4a16_plan", &hf_w4::cuda::plan);
 }

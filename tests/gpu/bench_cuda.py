@@ -6,7 +6,9 @@ HF_W4_CUDA_LARGE_M rows, dequantize + cuBLAS from there), both paths separately 
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
 the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
 replays. Columns: microseconds per call, speed-up over dense in the same
-dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth.
+dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
+last, the path the layer takes at this M (bf16): "deq+mm", or "fused" with the fused kernel's k splits and resident
+blocks per SM for int4 / NVFP4.
 """
 from __future__ import annotations
 
@@ -89,6 +91,18 @@ def packed(n: int, k: int, wt: str, copies: int):
     return out
 
 
+def path(m: int, n: int, k: int, large: int) -> str:
+    """The layer's path at M rows (bf16): dequantize + cuBLAS, or the fused kernel's splits and blocks per SM."""
+    if m >= large:
+        return "deq+mm"
+    try:
+        i4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
+        f4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "nvfp4", False, True)
+    except Exception as e:  # noqa: BLE001 - a report column only
+        return f"fused (plan n/a: {type(e).__name__})"
+    return f"fused mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     ok, why = cw.CudaW4A16Kernel.is_supported()  # loads (or JIT-builds) the CUDA library
@@ -101,7 +115,7 @@ def main() -> int:
           f"bandwidth {peak / 1e12:.2f} TB/s; fused kernel below M={large}, dequantize + cuBLAS from there")
     hdr = (f"{'N x K':>12} {'M':>5} | {'fp16':>8} {'bf16':>8} | {'i4 fp16':>8} {'x':>5} {'i4 bf16':>8} {'x':>5} "
            f"{'GB/s':>6} {'%bw':>4} | {'fp4 fp16':>8} {'x':>5} {'fp4 bf16':>8} {'x':>5} {'GB/s':>6} {'%bw':>4} | "
-           f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5}")
+           f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5} | path")
     targets = []
     int4pack_note = None
     for n, k in SHAPES:
@@ -159,7 +173,8 @@ def main() -> int:
                   f"{sp['i4 fp16']:5.2f} {t['i4 bf16']:8.1f} {sp['i4 bf16']:5.2f} {gb_i4:6.0f} "
                   f"{gb_i4 * 1e9 / peak * 100:4.0f} | {t['f4 fp16']:8.1f} {sp['f4 fp16']:5.2f} {t['f4 bf16']:8.1f} "
                   f"{sp['f4 bf16']:5.2f} {gb_f4:6.0f} {gb_f4 * 1e9 / peak * 100:4.0f} | {t['i4 fused']:8.1f} "
-                  f"{t['i4 deq']:8.1f} | " + (f"{tp:8.1f} {t['bf16'] / tp:5.2f}" if tp else f"{'n/a':>8} {'':>5}"))
+                  f"{t['i4 deq']:8.1f} | " + (f"{tp:8.1f} {t['bf16'] / tp:5.2f}" if tp else f"{'n/a':>8} {'':>5}")
+                  + f" | {path(m, n, k, large)}")
             worst_i4, worst_f4 = min(sp["i4 fp16"], sp["i4 bf16"]), min(sp["f4 fp16"], sp["f4 bf16"])
             if m <= 16:
                 targets.append((f"{n}x{k} M={m} int4 >= 3.0x", worst_i4 >= 3.0, worst_i4))

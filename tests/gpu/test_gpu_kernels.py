@@ -165,3 +165,16 @@ def test_opcheck():
     bias = torch.randn(64, device="cuda", dtype=torch.float16, requires_grad=True)
     torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (xg, b["cuda_w4a16_q"], b["cuda_w4a16_s"], None, bias, 64,
                                                              16, "nvfp4", 0.5))
+
+
+def test_plan_reports_a_split_covering_k():
+    """cuda_w4a16_plan (the benchmark's path column) gives the work split the fused kernel runs: every k16 step in
+    exactly one split, enough m-blocks for M rows, one tile per 64 columns, at least one resident block per SM."""
+    for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
+                              (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
+        mt, mblocks, ntiles, splits, steps, bps = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        assert mt in (1, 2, 4) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
+        assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
+        assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
+    with pytest.raises(RuntimeError, match="weight_type 'int8' is not supported"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)
