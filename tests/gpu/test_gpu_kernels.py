@@ -170,6 +170,7 @@ def test_opcheck():
 def test_plan_reports_a_split_covering_k():
     """cuda_w4a16_plan (the benchmark's path column) gives the work split the fused kernel runs: every k16 step in
     exactly one split, enough m-blocks for M rows, one tile per 64 columns, at least one resident block per SM."""
+    assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
         mt, mblocks, ntiles, splits, steps, bps = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
