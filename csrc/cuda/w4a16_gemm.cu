@@ -332,6 +332,11 @@ void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
 
 template <int MT, bool BF16, int KIND>
 int blocks_per_sm() {
+  // Prefer shared memory over L1 (the weight ring), so that the occupancy the split-K plan assumes is the one the
+  // launches get; only a hint, so a failure is not an error.
+  if (cudaFuncSetAttribute(w4a16_gemm_kernel<MT, BF16, KIND>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+    (void)cudaGetLastError();
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_gemm_kernel<MT, BF16, KIND>, 128, 0) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; plan with one block per SM
