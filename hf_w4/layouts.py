@@ -51,14 +51,14 @@ def pack_nibbles(values: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SL
 def unpack_nibbles(words: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SLOTS) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`: int32 words -> uint8 values 0..15, 8x longer along ``dim``."""
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int64)
+    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int64, device=w.device)
     v = (w.unsqueeze(-1) >> shifts) & 0xF
     v = v.reshape(*w.shape[:-1], w.shape[-1] * 8).to(torch.uint8)
     return v.movedim(-1, dim)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +125,11 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "<module>")
     Raises NotImplementedError naming ``<name>.g_idx`` when the groups are not all of ``group_size`` columns."""
     k = g_idx.numel()
     g = g_idx.to(torch.int64)
-    if torch.equal(g, torch.arange(k) // group_size):
+    in_order = torch.arange(k, device=g.device) // group_size
+    if torch.equal(g, in_order):
         return None
     perm = torch.argsort(g, stable=True)
-    if not torch.equal(g[perm], torch.arange(k) // group_size):
+    if not torch.equal(g[perm], in_order):
         values, counts = torch.unique(g, return_counts=True)
         odd = (counts != group_size).nonzero()
         found = (f"group {int(values[odd[0]])} has {int(counts[odd[0]])} columns" if odd.numel() else
@@ -142,7 +143,7 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "<module>")
 def group_index(qw: QWeight) -> torch.Tensor:
     if qw.g_idx is not None:
         return qw.g_idx.to(torch.int64)
-    return torch.arange(qw.k) // qw.group_size
+    return torch.arange(qw.k, device=qw.scales.device) // qw.group_size
 
 
 def fp8_decode(bits: torch.Tensor) -> torch.Tensor:
@@ -257,7 +258,7 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
             if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[1]:
                 raise LayoutError(f"{name}.g_idx: values range over [{int(g_idx.min())}, {int(g_idx.max())}], "
                                   f"expected group indices in [0, {scales.shape[1] - 1}]")
-            if torch.equal(g_idx, torch.arange(k) // gs):
+            if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // gs):
                 g_idx = None
         if L == "gptq":
             codes, pack_dim, slots = t["qweight"].t(), "k", SEQ_SLOTS
