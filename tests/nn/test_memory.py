@@ -12,16 +12,11 @@ import hf_w4
 from hf_w4 import layouts
 from hf_w4.nn import QuantLinear
 
-# every variant the spine test loads (all four families, ModelOpt, both CT int-quantized ones)
-from test_from_pretrained import IDS, VARIANTS, written  # noqa: E402,F401  (``written``: the shared fixture)
+from conftest import WRITER_IDS as IDS
+from conftest import WRITER_VARIANTS as VARIANTS
+from conftest import same_tensor as _same
 
-
-@pytest.fixture(autouse=True)
-def _installed(monkeypatch):
-    monkeypatch.delenv("HF_W4_KEEP_CHECKPOINT_TENSORS", raising=False)
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
+pytestmark = pytest.mark.usefixtures("installed_one_copy")
 
 
 def _tokens():
@@ -30,11 +25,6 @@ def _tokens():
 
 def _held_bytes(model):
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-
-
-def _same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
-                                                                      b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
 
 
 @pytest.mark.parametrize("fmt,opts", VARIANTS, ids=IDS)

@@ -9,55 +9,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_w4
+from conftest import WRITER_IDS as IDS
+from conftest import WRITER_VARIANTS as VARIANTS
 from conftest import rel_err as _rel
+from conftest import tokens as _tokens
 from hf_w4.tools import writers
 from hf_w4.nn import QuantLinear
 
-# (format, writer options): every variant the spine promises
-VARIANTS = [
-    ("gptq", dict(sym=True)),
-    ("gptq", dict(sym=False, group_size=64)),
-    ("gptq", dict(sym=True, desc_act=True)),
-    ("gptq", dict(sym=False, checkpoint_format="gptq_v2")),
-    ("autoround", dict(sym=True)),
-    ("autoround", dict(sym=True, group_size=32, extra_config={"model.layers.0.mlp.down_proj": {"bits": 16}})),
-    ("autoround-awq", dict(sym=False)),
-    ("awq", dict(sym=False)),
-    ("awq", dict(sym=True)),
-    ("ct-w4a16", dict(sym=True)),
-    ("ct-w4a16", dict(sym=False, group_size=32)),
-    ("ct-w4a16", dict(sym=True, group_size=-1)),
-    ("ct-w8a8", dict()),
-    ("ct-w4a8", dict()),
-    ("ct-nvfp4", dict()),
-    ("modelopt-w4a16", dict()),
-    ("modelopt-nvfp4", dict()),
-]
-IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items() if k != "extra_config") + ("-extra" if "extra_config" in o else "")
-       for f, o in VARIANTS]
 ACT_FORMATS = {"ct-w8a8", "ct-w4a8"}   # dynamic int8 activations: compared with activation="none" against the twin
 
 
 pytestmark = pytest.mark.usefixtures("hf_w4_installed")
-
-
-
-
-def _tokens():
-    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, tiny_llama):
-    cache = {}
-
-    def get(fmt, opts):
-        key = (fmt, json.dumps(opts, sort_keys=True))
-        if key not in cache:
-            out = tmp_path_factory.mktemp(fmt)
-            cache[key] = writers.write_checkpoint(tiny_llama, str(out / "ckpt"), fmt, **opts)
-        return cache[key]
-    return get
 
 
 @pytest.mark.parametrize("fmt,opts", VARIANTS, ids=IDS)
@@ -215,10 +177,22 @@ def test_w4a8_opt_in_changes_the_activation_scheme(written):
     q = model.model.layers[0].self_attn.q_proj
     assert q.spec.act == "int8_token"
     ref = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    # per-token int8 rounds each input element to a step of amax / 127.5: uniform noise of variance step^2 / 12,
+    # relative to the input's own size; the quantized Linears' noises are independent and add in quadrature
+    eps = []
+
+    def noise(_m, inp, _out):
+        x = inp[0].float().reshape(-1, inp[0].shape[-1])
+        step = x.abs().amax(-1) / 127.5
+        eps.append(((step ** 2 / 12).mean() / x.pow(2).mean()).sqrt().item())
+    hooks = [m.register_forward_hook(noise) for m in ref.modules() if isinstance(m, QuantLinear)]
     x = _tokens()
     with torch.no_grad():
         a, b = model(x).logits, ref(x).logits
-    assert 0 < _rel(a, b) < 0.1     # close, but visibly not weight-only
+    for h in hooks:
+        h.remove()
+    predicted = sum(e * e for e in eps) ** 0.5
+    assert len(eps) == 14 and 0.5 * predicted < ((a - b).norm() / b.norm()).item() < 1.5 * predicted, predicted
 
 
 def test_to_dtype_keeps_packed_dtypes(written):

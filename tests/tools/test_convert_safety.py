@@ -14,14 +14,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hf_w4.tools import cli, models, writers  # noqa: E402
+from hf_w4.tools import cli, writers  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return models.build_tiny(tmp_path_factory.mktemp("safety") / "tiny")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -15,8 +15,7 @@ from hf_w4.nn import QuantLinear
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'peft>=0.21,<0.22')")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-from test_from_pretrained import written  # noqa: E402,F401  (the shared checkpoint fixture)
-from test_memory import _installed  # noqa: E402,F401  (autouse: hf_w4 installed)
+pytestmark = pytest.mark.usefixtures("installed_one_copy")
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 # weight-only formats (the dense twin then computes the same function); ct-w4a16 layers carry no bias and no

@@ -1,4 +1,4 @@
-"""hf_w4.evaluate and hf_w4.models on tiny offline models (a random Llama + a BPE tokenizer trained on the fly)."""
+"""hf_w4.tools.evaluate and hf_w4.tools.models on tiny offline models (a random Llama + a BPE tokenizer trained on the fly)."""
 import json
 import math
 import os
@@ -10,14 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import hf_w4  # noqa: E402
 from hf_w4.tools import evaluate as E  # noqa: E402
 from hf_w4.tools import models  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return models.build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +198,11 @@ def test_evaluate_peak_rss_is_the_checkpoints_own(tiny, monkeypatch):
     """The peak RSS is sampled before the reference is loaded (the reference then runs against the checkpoint's
     argmax: same top-1, same reference perplexity), and it is the maximum over the ranks, not rank 0's."""
     events = []
-    real_load, real_rss = E.load_model, E.peak_rss_bytes
-    monkeypatch.setattr(E, "load_model", lambda path, *a, **k: events.append(("load", str(path))) or
+    from hf_w4.tools.evaluate import run
+    real_load, real_rss = run.load_model, run.peak_rss_bytes
+    monkeypatch.setattr(run, "load_model", lambda path, *a, **k: events.append(("load", str(path))) or
                         real_load(path, *a, **k))
-    monkeypatch.setattr(E, "peak_rss_bytes", lambda: events.append(("rss",)) or real_rss())
+    monkeypatch.setattr(run, "peak_rss_bytes", lambda: events.append(("rss",)) or real_rss())
 
     class TwoRanks(E.Dist):          # rank 0 of 2 whose peer peaked higher; one process does all the windows
         def per_rank(self, value):

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_w4.tools import models
+from hf_w4.tools import models, writers
 
-ROOT = Path(__file__).resolve().parents[1]
-pytest.importorskip("accelerate")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env():
@@ -56,13 +55,9 @@ def _run(cmd):
 def tiny(tmp_path_factory):
     """(model under test, dense reference): a GPTQ checkpoint written from a tiny random Llama, so every
     rank loads it through hf_w4's quantizer and kernels (each process must enable hf_w4 itself), and the
-    dense Llama it came from; without the writers, a second random dense model stands in."""
+    dense Llama it came from."""
     d = tmp_path_factory.mktemp("acc")
     dense = models.build_tiny(d / "dense", seed=0)
-    try:
-        from hf_w4.tools import writers
-    except ImportError:
-        return models.build_tiny(d / "b", seed=3), dense
     writers.write_checkpoint(str(dense), str(d / "gptq"), "gptq", group_size=32)
     return d / "gptq", dense
 

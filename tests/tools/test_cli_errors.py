@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from hf_w4.tools import bench, cli, models  # noqa: E402
 from hf_w4.tools import evaluate as E  # noqa: E402
 
-from test_cli import _env, tiny  # noqa: E402,F401  (``tiny``: the shared fixture)
+from conftest import subprocess_env as _env  # noqa: E402
 
 FAST = ["--max-tokens", "128", "--window", "64", "--decode-tokens", "0", "--dtype", "fp32", "--no-progress"]
 

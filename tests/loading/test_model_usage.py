@@ -13,8 +13,10 @@ from hf_w4 import layouts
 from hf_w4.loading.checkpoint import CheckpointError
 from hf_w4.nn import QuantLinear
 
-from test_from_pretrained import _tokens, written  # noqa: E402,F401  (``written``: the shared fixture)
-from test_memory import _installed, _same  # noqa: E402,F401  (autouse: hf_w4 installed, both tensor copies not kept)
+from conftest import same_tensor as _same
+from conftest import tokens as _tokens
+
+pytestmark = pytest.mark.usefixtures("installed_one_copy")
 
 
 def _qls(model):

@@ -15,30 +15,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import hf_w4  # noqa: E402
+from conftest import subprocess_env as _env  # noqa: E402
 from hf_w4.tools import cli, models  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-HAVE_WRITERS = importlib.util.find_spec("hf_w4.tools.writers") is not None
-needs_writers = pytest.mark.skipif(not HAVE_WRITERS, reason="hf_w4.writers not available")
+ROOT = Path(__file__).resolve().parents[2]
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(models.MODULE) is None,
                                    reason=f"embedded model not installed ({models.PIP_COMMAND})")
 
 
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return models.build_tiny(tmp_path_factory.mktemp("cli") / "tiny")
-
-
 @pytest.fixture(scope="module")
 def tiny_gptq(tiny, tmp_path_factory):
-    if not HAVE_WRITERS:
-        pytest.skip("hf_w4.writers not available")
     out = tmp_path_factory.mktemp("cli") / "gptq"
     assert cli.main(["convert", str(tiny), str(out), "--format", "gptq", "--group-size", "32"]) == 0
     return out
@@ -104,14 +90,12 @@ def test_bench_forwards_arguments(monkeypatch):
     assert seen == [["--m", "1,16", "--quick"], ["--help"]]
 
 
-@needs_writers
 def test_convert_list_formats(capsys):
     from hf_w4.tools import writers
     assert cli.main(["convert", "x", "y", "--list-formats"]) == 0
     assert capsys.readouterr().out.split() == list(writers.FORMATS)
 
 
-@needs_writers
 def test_info_quantized(tiny_gptq, capsys, tmp_path):
     out = tmp_path / "layers.json"
     assert cli.main(["info", str(tiny_gptq), "--json", str(out)]) == 0
@@ -130,7 +114,6 @@ def test_info_quantized(tiny_gptq, capsys, tmp_path):
     assert "rejected" not in capsys.readouterr().out
 
 
-@needs_writers
 def test_eval_quantized_against_dense(tiny, tiny_gptq, tmp_path, capsys):
     out = tmp_path / "q.json"
     assert cli.main(["eval", str(tiny_gptq), "--reference", str(tiny), "--max-tokens", "256", "--window", "64",
@@ -143,7 +126,6 @@ def test_eval_quantized_against_dense(tiny, tiny_gptq, tmp_path, capsys):
     assert "activation   none (weight-only" in capsys.readouterr().out
 
 
-@needs_writers
 def test_eval_activation_int8(tiny, tiny_gptq, tmp_path, capsys):
     """--activation int8: the GPTQ checkpoint runs as W4A8 on cpu_int8, and the output says so."""
     out = tmp_path / "q.json"
@@ -159,7 +141,6 @@ def test_eval_activation_int8(tiny, tiny_gptq, tmp_path, capsys):
     assert out_ == "" and "dense checkpoint" in err and "'int8'" in err and str(tiny) in err, err
 
 
-@needs_writers
 def test_demo_tiny(tiny, tmp_path, capsys):
     """Two formats, and (the default --w4a8) the gptq checkpoint again with int8 activations."""
     out = tmp_path / "demo.json"
@@ -190,14 +171,13 @@ def test_demo_tiny(tiny, tmp_path, capsys):
     assert "| format" in text and "prompt:" in text
 
 
-@needs_writers
 def test_demo_runs_nothing_it_cannot_compare(tiny, tiny_gptq, capsys, monkeypatch):
     """Usage errors stop the demo before the dense baseline runs (exit 2); a run in which no format ran is a
     failure (exit 1), not a table of "skipped" rows."""
-    from hf_w4.tools import evaluate as E
-    real_perplexity = E.perplexity
+    from hf_w4.tools.evaluate import demo
+    real_perplexity = demo.perplexity
     calls = []
-    monkeypatch.setattr(E, "perplexity", lambda *a, **k: calls.append(1) or real_perplexity(*a, **k))
+    monkeypatch.setattr(demo, "perplexity", lambda *a, **k: calls.append(1) or real_perplexity(*a, **k))
     # an already quantized --model is not a dense baseline
     assert cli.main(["demo", "--model", str(tiny_gptq), "--formats", "awq", "--group-size", "32", "--quick",
                      "--no-progress"]) == 2
@@ -241,13 +221,11 @@ def test_demo_arguments(capsys, monkeypatch):
     assert "['awq']" in err and "--formats" in err and "--w4a8" in err, err
 
 
-@needs_writers
 def test_demo_unknown_format(tiny, capsys):
     assert cli.main(["demo", "--model", str(tiny), "--formats", "gguf-q4"]) == 2
     assert "unknown format" in capsys.readouterr().err
 
 
-@needs_writers
 @needs_smollm2
 def test_demo_real_model_quick(tmp_path):
     """The README's main job, short: the embedded SmolLM2-135M-Instruct, two formats, 512 perplexity tokens."""

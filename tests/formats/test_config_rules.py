@@ -12,7 +12,8 @@ from hf_w4.formats.spec import W4Spec
 from hf_w4.layouts import LayoutError
 from hf_w4.nn import QuantLinear
 
-from test_errors import copy, load  # noqa: E402  (checkpoint editing)
+from conftest import edited_copy as copy
+from conftest import load_fp32 as load
 
 pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 

@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 import hf_w4
 from hf_w4.nn import QuantLinear
 
-from test_from_pretrained import IDS, VARIANTS, written  # noqa: E402,F401  (``written``: the shared fixture)
-from test_memory import _installed  # noqa: E402,F401  (autouse: hf_w4 installed, both tensor copies not kept)
+from conftest import WRITER_IDS as IDS
+from conftest import WRITER_VARIANTS as VARIANTS
+
+pytestmark = pytest.mark.usefixtures("installed_one_copy")
 
 
 def _tokens():

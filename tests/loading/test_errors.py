@@ -1,17 +1,15 @@
 """Bad input gets a clear error naming module, tensor, what was found and what is supported — never garbage."""
-import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 import hf_w4
-from hf_w4.tools import writers
-from hf_w4.loading.checkpoint import CheckpointError
+from conftest import edited_copy as copy
+from conftest import load_fp32 as load
 from hf_w4.layouts import LayoutError
+from hf_w4.loading.checkpoint import CheckpointError
+from hf_w4.tools import writers
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -25,24 +23,6 @@ def base(tmp_path_factory, tiny_llama):
     for fmt in ("gptq", "ct-w4a16", "modelopt-w4a16"):
         out[fmt] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "c"), fmt).path
     return out
-
-
-def copy(base_dir, tmp_path, tensors=None, config=None):
-    d = tmp_path / "bad"
-    shutil.copytree(base_dir, d)
-    if tensors is not None:
-        sd = load_file(d / "model.safetensors")
-        tensors(sd)
-        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    if config is not None:
-        c = json.load(open(d / "config.json"))
-        config(c["quantization_config"])
-        json.dump(c, open(d / "config.json", "w"))
-    return str(d)
-
-
-def load(path, **kw):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
 
 
 def test_missing_tensor(base, tmp_path):

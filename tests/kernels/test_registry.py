@@ -80,7 +80,7 @@ def test_registry_order_is_priority_then_name():
 
 def test_docs_matrix_is_generated_from_the_registry():
     import pathlib
-    usage = (pathlib.Path(__file__).parents[1] / "docs" / "usage.md").read_text()
+    usage = (pathlib.Path(__file__).parents[2] / "docs" / "usage.md").read_text()
     assert registry.support_matrix(status=False) in usage, \
         "docs/usage.md's kernel table is stale: paste the output of `python -m hf_w4.kernels --readme`"
 
