@@ -145,7 +145,8 @@ def _layer(spec, n, k):
     (W4Spec("gptq", "gptq", "int4", 4, 32, True, has_g_idx=True, desc_act=True), 64, 128, 2, "in", "act-order"),
     (W4Spec("compressed-tensors", "ct_int", "int8", 8, -1, True, act="int8_token"), 64, 128, 2, "in",
      "one scale per token over all of K"),
-    (W4Spec("modelopt", "modelopt_nvfp4", "nvfp4", 4, 16, True), 64, 32, 4, "in", "K=8 is not divisible by group_size=16"),
+    (W4Spec("modelopt", "modelopt_nvfp4", "nvfp4", 4, 16, True), 64, 32, 4, "in",
+     "K=8 is not divisible by group_size=16"),
 ])
 def test_layers_that_cannot_be_split_are_refused_naming_them(spec, n, k, ranks, dim, expect):
     m = _layer(spec, n, k)
