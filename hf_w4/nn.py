@@ -31,6 +31,10 @@ def plain_linear(m: nn.Module) -> bool:
 
 
 class QuantLinear(nn.Module):
+    # tensor parallelism: ("out" | "in", rank, ranks) when this module holds one rank's slice of the layer
+    # (hf_w4.loading.tensor_parallel); in/out_features stay the whole layer's, as transformers' hooks expect
+    tp_shard: Optional[Tuple[str, int, int]] = None
+
     def __init__(self, spec: W4Spec, in_features: int, out_features: int, name: str,
                  tensors: Dict[str, Tuple[tuple, torch.dtype]], bias_dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -49,9 +53,6 @@ class QuantLinear(nn.Module):
         # set once check_loaded has passed: a plain attribute, so copies (deepcopy, pickle) and parameters
         # re-registered later (a new kernel, load_state_dict) keep it; transformers' own mark does not survive them
         self._loaded = False
-        # tensor parallelism: ("out" | "in", rank, ranks) when this module holds one rank's slice of the layer
-        # (hf_w4.loading.tensor_parallel); in/out_features stay the whole layer's, as transformers' hooks expect
-        self.tp_shard: Optional[Tuple[str, int, int]] = None
 
     @property
     def held_features(self) -> Tuple[int, int]:

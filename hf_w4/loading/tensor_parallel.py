@@ -11,7 +11,8 @@ forward hooks and the reduction stay transformers' own.
 
 A slice must be whole packed words and whole groups: N (colwise) or K (rowwise) splits evenly over the ranks, and
 the slice is a multiple of the layout's packing and of the group size. Act-order GPTQ layers (``desc_act``) scatter
-a group's columns over K and so cannot be split along K.
+a group's columns over K and so cannot be split along K. Quantized MoE experts are not split: they run whole on every
+rank.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 from torch import nn
 
 from transformers.distributed.parallel_utils import _get_parameter_plan, replace_layer_number_by_wildcard
-from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel
+from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, ColwiseParallel, MoeExpertsParallel,
+                                                      RowwiseParallel, TensorParallelLayer)
 
 from .. import layouts
 from ..nn import QuantLinear
@@ -65,11 +67,18 @@ def unregister_styles(names) -> None:
 
 def update_plan(model: nn.Module, plan: Dict[str, str]) -> None:
     """Point the column- and row-parallel entries of ``plan`` that reach a QuantLinear at hf_w4's variants (a dense
-    Linear under the same entry is served by them as by transformers' own). Harmless without tensor parallelism:
-    the plan is only read when ``tp_size > 1``."""
+    Linear under the same entry is served by them as by transformers' own). MoE experts stored quantized (one
+    QuantLinear per expert projection) run whole on every rank: their ``moe_tp_experts`` entry, which would have each
+    rank run a slice of every expert and sum the slices, goes, with the entries for the fused experts' parameters
+    under it. Harmless without tensor parallelism: the plan is only read when ``tp_size > 1``."""
     if not plan:
         return
     registry = ALL_PARALLEL_STYLES
+    quant = [replace_layer_number_by_wildcard(n) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for key, style in list(plan.items()):
+        if isinstance(registry.get(style), MoeExpertsParallel) and any(q.startswith(key + ".") for q in quant):
+            for k in [k for k in plan if k == key or k.startswith(key + ".")]:
+                del plan[k]
     for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
@@ -172,9 +181,9 @@ def check_model(model: nn.Module) -> None:
         if not isinstance(m, QuantLinear):
             continue
         style = _get_parameter_plan(name, plan, is_weight=False)
-        if style is not None and m.tp_shard is None and style in registry:
+        if style is not None and m.tp_shard is None and not style.startswith(PREFIX) and style in registry:
             st = registry[style]
-            if _split_dim(st) is not None or type(st).shard_param is not type(registry["replicate"]).shard_param:
+            if _split_dim(st) is not None or type(st).shard_param is not TensorParallelLayer.shard_param:
                 raise TensorParallelError(
                     f"{name}: tp_plan style {style!r} ({type(st).__name__}) splits this layer's weight as a dense "
                     f"one's, but it is an hf_w4 QuantLinear ({m.spec.method}) with packed tensors; hf_w4 splits "
@@ -184,7 +193,7 @@ def check_model(model: nn.Module) -> None:
         for i in range(len(parts) - 1, 0, -1):
             parent = ".".join(parts[:i])
             ps = _get_parameter_plan(parent, plan, is_weight=False)
-            if ps is not None and ps in registry and type(registry[ps]).__name__ == "MoeExpertsParallel":
+            if ps is not None and ps in registry and isinstance(registry[ps], MoeExpertsParallel):
                 raise TensorParallelError(
                     f"{name}: tp_plan style {ps!r} on {parent} has each rank run a slice of every expert, but the "
                     "experts are hf_w4 QuantLinears, which that style does not split; quantized experts load "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import hf_w4
 from hf_w4.formats.spec import W4Spec
@@ -26,7 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
 INPUT_IDS = torch.arange(16).reshape(2, 8) * 7 % 500   # the worker's batch
 
-# name: (format, writer options, model options, loading config)
+def _tiny_qwen3_moe():
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, head_dim=64, mlp_only_layers=[])
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+# name: (format, writer options, model options (None: the tiny Qwen3-MoE), loading config)
 CASES = {
     "gptq-bias": ("gptq", dict(group_size=32), dict(attention_bias=True, mlp_bias=True), None),
     "awq": ("awq", dict(group_size=32), {}, None),
@@ -35,6 +43,8 @@ CASES = {
     "ct-w4a8-group": ("ct-w4a8", dict(group_size=32), {}, ("CompressedTensorsConfig", {"activation": "int8_group"})),
     "ct-nvfp4": ("ct-nvfp4", {}, {}, None),
     "modelopt-nvfp4": ("modelopt-nvfp4", {}, {}, None),
+    # quantized experts run whole on every rank (their moe_tp_experts entry goes), the attention is split
+    "qwen3-moe-gptq": ("gptq", dict(group_size=32), None, None),
     # refused: act-order GPTQ cannot split K; per-token int8 activations over a slice of K change the numbers
     "gptq-act-order": ("gptq", dict(group_size=32, desc_act=True), {}, None),
     "ct-w8a8-per-token": ("ct-w8a8", {}, {}, None),
@@ -71,7 +81,8 @@ def two_ranks(tmp_path_factory):
     try:
         for name, (fmt, wopts, mopts, config) in CASES.items():
             path = d / name
-            writers.write_checkpoint(make_tiny_llama(**mopts), str(path), fmt, **wopts)
+            model = _tiny_qwen3_moe() if mopts is None else make_tiny_llama(**mopts)
+            writers.write_checkpoint(model, str(path), fmt, **wopts)
             cases.append({"name": name, "path": str(path),
                           "config": config and {"class": config[0], "kwargs": config[1]}})
             if name in REFUSED:
@@ -80,7 +91,9 @@ def two_ranks(tmp_path_factory):
             with torch.no_grad():
                 logits = model(INPUT_IDS).logits
             layers = [m for m in model.modules() if isinstance(m, hf_w4.QuantLinear)]
-            single[name] = {"logits": logits, "bytes": sum(m.packed_bytes() for m in layers), "layers": len(layers)}
+            single[name] = {"logits": logits, "bytes": sum(m.packed_bytes() for m in layers),
+                            "layers": sorted(m.name for m in layers),
+                            "expert_bytes": sum(m.packed_bytes() for m in layers if ".experts." in m.name)}
     finally:
         hf_w4.uninstall()
     (d / "cases.json").write_text(json.dumps(cases))
@@ -98,14 +111,17 @@ def test_two_ranks_give_the_one_process_logits_holding_half_each(two_ranks, name
     one, ranks = two_ranks[name]
     for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}: {res.get('error')}"
-        assert res["split"] == res["layers"] == one["layers"], res   # every quantized layer split
+        assert res["layers"] == one["layers"]
+        assert res["split"] == [n for n in one["layers"] if ".experts." not in n]   # every one but the experts
         # the same numbers up to the fp32 rounding of the row-parallel sums. Activations quantized to int8 at run
         # time round that difference to whole int8 steps here and there: in one process, inputs perturbed by 1e-7
         # (relative) move this model's logits by ~1e-2 too
         tol = 3e-2 if name in INT8_ACTIVATIONS else 1e-5
         assert rel_err(res["logits"], one["logits"]) < tol, (r, rel_err(res["logits"], one["logits"]))
-        # half of every split tensor, all of the few replicated ones (per-tensor scales, a row-parallel bias)
-        assert 0.45 < res["bytes"] / one["bytes"] < 0.56, (r, res["bytes"], one["bytes"])
+        # half of every split tensor, all of the few replicated ones (per-tensor scales, a row-parallel bias), all
+        # of the experts
+        split_bytes = res["bytes"] - one["expert_bytes"]
+        assert 0.45 < split_bytes / (one["bytes"] - one["expert_bytes"]) < 0.56, (r, res["bytes"], one["bytes"])
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -177,6 +193,20 @@ def test_plan_entries_for_quantized_layers_take_hf_w4s_styles(hf_w4_installed, t
     plan["model.layers.*.self_attn.q_proj"] = "colwise"
     with pytest.raises(tensor_parallel.TensorParallelError, match=r"model\.layers\.0\.self_attn\.q_proj: tp_plan "
                        r"style 'colwise' \(ColwiseParallel\).*hf_w4_colwise"):
+        tensor_parallel.check_model(model)
+
+
+def test_quantized_experts_stay_whole(hf_w4_installed, tmp_path):
+    writers.write_checkpoint(_tiny_qwen3_moe(), str(tmp_path / "q"), "gptq", group_size=32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    plan = model.tp_plan
+    assert not [k for k in plan if ".experts" in k]                 # the experts' entries went
+    assert plan["model.layers.*.self_attn.o_proj"] == "hf_w4_rowwise"
+    model._tp_size = 2
+    tensor_parallel.check_model(model)
+    plan["model.layers.*.mlp.experts"] = "moe_tp_experts"           # put back by an override: refused
+    with pytest.raises(tensor_parallel.TensorParallelError, match=r"model\.layers\.0\.mlp\.experts\.0\.\w+_proj: "
+                       r"tp_plan style 'moe_tp_experts' on model\.layers\.0\.mlp\.experts"):
         tensor_parallel.check_model(model)
 
 

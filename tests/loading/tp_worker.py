@@ -4,7 +4,7 @@
 
 For each case of CASES.json (``{"name", "path", "config": {class, kwargs}}``) the rank loads the checkpoint with
 transformers' tensor parallelism, runs the fixed batch and writes ``OUT_DIR/<name>.<rank>.pt``: the logits, the bytes
-its quantized layers hold and how many of them it split, or the error the load raised.
+its quantized layers hold, their names and those of the ones it split, or the error the load raised.
 """
 import json
 import sys
@@ -36,7 +36,8 @@ def main(cases_file: str, out_dir: str) -> None:
                 logits = model(INPUT_IDS).logits
             layers = [m for m in model.modules() if isinstance(m, hf_w4.QuantLinear)]
             res = {"logits": logits, "bytes": sum(m.packed_bytes() for m in layers),
-                   "split": sum(m.tp_shard is not None for m in layers), "layers": len(layers),
+                   "split": sorted(m.name for m in layers if m.tp_shard is not None),
+                   "layers": sorted(m.name for m in layers),
                    "kernels": sorted({str(m.kernel) for m in layers})}
         torch.save(res, Path(out_dir) / f"{case['name']}.{dist.get_rank()}.pt")
         dist.barrier()
