@@ -272,11 +272,12 @@ class HfW4Quantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         # trainable nn.Linears, as a dense model's (and transformers' own dequantize) are
+        for name, m in model.named_modules():   # before any layer changes
+            if isinstance(m, QuantLinear) and m.tp_shard is not None:
+                raise NotImplementedError(f"{name}: dequantizing a tensor-parallel slice is not supported; "
+                                          "dequantize a model loaded in one process")
         for name, m in list(model.named_modules()):
             if isinstance(m, QuantLinear):
-                if m.tp_shard is not None:
-                    raise NotImplementedError(f"{name}: dequantizing a tensor-parallel slice is not supported; "
-                                              "dequantize a model loaded in one process")
                 w = m.dequantize_weight()
                 lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.device,
                                 dtype=dtype or w.dtype)

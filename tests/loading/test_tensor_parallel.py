@@ -210,6 +210,19 @@ def test_quantized_experts_stay_whole(hf_w4_installed, tmp_path):
         tensor_parallel.check_model(model)
 
 
+def test_a_rank_refuses_to_save_or_dequantize_its_slices(hf_w4_installed, tiny_llama, tmp_path):
+    writers.write_checkpoint(tiny_llama, str(tmp_path / "q"), "awq", group_size=32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    model.model.layers[1].mlp.up_proj.tp_shard = ("out", 0, 2)     # as a rank's layer is after loading
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.up_proj: this rank holds only its "
+                       r"tensor-parallel slice"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "model.safetensors").exists()
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp\.up_proj: dequantizing a tensor-parallel"):
+        model.dequantize()
+    assert isinstance(model.model.layers[0].self_attn.q_proj, hf_w4.QuantLinear)   # nothing was changed
+
+
 def test_uninstall_removes_the_styles():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
     hf_w4.install()
