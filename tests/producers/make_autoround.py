@@ -2,6 +2,7 @@
 
 usage: python make_autoround.py OUT_ROOT [NAME ...]
 """
+import json
 import os
 import shutil
 import sys
@@ -43,31 +44,63 @@ def tensors(folder: str) -> dict:
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def gptq_reader_model(fake: str, real: str):
+    """The dense model of the fake export with every quantized Linear replaced by auto-round's own CPU reader of
+    the GPTQ layout (auto_round_extension.torch.qlinear_torch_zp), fed the real export's tensors with the fp16
+    scales widened to fp32 so that it dequantizes exactly."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    model = AutoModelForCausalLM.from_pretrained(fake, dtype=torch.float32)
+    packed = tensors(real)
+    for name in sorted({k.rsplit(".", 1)[0] for k in packed if k.endswith(".qweight")}):
+        dense = model.get_submodule(name)
+        # the reader's g_idx branch slices the scales by K along N (wrong unless N == K); auto-round only writes
+        # the trivial g_idx = k // group_size, which the plain branch implements
+        g_idx = packed.get(f"{name}.g_idx")
+        assert g_idx is None or torch.equal(g_idx, torch.arange(dense.in_features) // GROUP_SIZE), name
+        q = QuantLinear(4, GROUP_SIZE, dense.in_features, dense.out_features, bias=False)
+        q.qweight, q.qzeros = packed[f"{name}.qweight"], packed[f"{name}.qzeros"]
+        q.scales = packed[f"{name}.scales"].float()
+        model.set_submodule(name, q)
+    return model
+
+
 def make(out_root: str, name: str) -> None:
     import auto_round
     fmt, sym, iters = SCHEMES[name]
     out = os.path.join(out_root, f"autoround-{name}")
     shutil.rmtree(out, ignore_errors=True)
-    # The reference comes from auto-round's "fake" export: the dense model with every weight quantized and
-    # dequantized by auto-round itself. It takes its own run (auto-round 0.16.1 fails to pack the asymmetric
-    # auto_round format after another export of the same run), so the real export is made twice to show the
-    # quantization is deterministic and the fake export belongs to the same integers and scales.
+    # auto-round's "fake" export is the dense model with every weight quantized and dequantized by auto-round
+    # itself. It takes its own run (auto-round 0.16.1 fails to pack the asymmetric auto_round format after another
+    # export of the same run), so the real export is made twice to show that the quantization is deterministic
+    # and the fake export belongs to the same integers and scales.
     real = quantize(fmt, sym, iters)
     fake = quantize("fake", sym, iters)
     again = tensors(quantize(fmt, sym, iters))
     first = tensors(real)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first), \
         f"{name}: two auto-round runs wrote different tensors; the fake export cannot serve as the reference"
+    fake_model = AutoModelForCausalLM.from_pretrained(fake, dtype=torch.float32)
+    assert getattr(fake_model.config, "quantization_config", None) is None, f"{fake}: not a dense export"
+    ids, fake_logits = tiny.fp32_logits(fake_model)
+
+    if any(k.endswith(".g_idx") for k in first) or json.load(open(os.path.join(real, "config.json")))[
+            "quantization_config"].get("packing_format", "").endswith("auto_gptq"):
+        # GPTQ layout: the file stores zero - 1, clamped at 0 (auto-round's packer), so a group whose zero is 0
+        # reads back as zero 1, unlike in the fake export. The reference is what auto-round's reader makes of
+        # the file.
+        _, logits = tiny.fp32_logits(gptq_reader_model(fake, real))
+        how = ("fp32 forward with auto-round's own GPTQ-layout reader (auto_round_extension.torch.qlinear_torch_zp,"
+               " scales widened to fp32) over this file")
+    else:
+        # AWQ layout stores the zero as is: the fake export is exactly the file's content (rounded to bf16)
+        logits = fake_logits
+        how = "fp32 forward of auto-round's 'fake' export (its own dequantized weights, bf16) of an identical run"
+    cos = torch.nn.functional.cosine_similarity(logits.flatten(), fake_logits.flatten(), dim=0).item()
+    print(f"{name}: reference vs fake export cosine {cos:.6f}")
     shutil.move(real, out)
     tiny.strip_side_files(out)
-
-    ref_model = AutoModelForCausalLM.from_pretrained(fake, dtype=torch.float32)
-    assert getattr(ref_model.config, "quantization_config", None) is None, f"{fake}: not a dense export"
-    ids, logits = tiny.fp32_logits(ref_model)
-    tiny.save_reference(out, ids, logits, producer="auto-round", scheme=name,
-                        versions={"auto-round": auto_round.__version__, "torch": torch.__version__},
-                        how="fp32 forward of auto-round's 'fake' export (its own dequantized weights, bf16) "
-                            "from an identical run")
+    tiny.save_reference(out, ids, logits, producer="auto-round", scheme=name, how=how,
+                        versions={"auto-round": auto_round.__version__, "torch": torch.__version__})
 
 if __name__ == "__main__":
     root = sys.argv[1]

@@ -48,8 +48,8 @@ DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "
 
 COSINE_MIN = 0.9999
 # Budget on max |hf_w4 - producer| over the logits, relative to max |producer|, by activation scheme.
-# Weight-only: hf_w4 dequantizes exactly in fp32, while compressed-tensors' NVFP4 and auto-round's fake export
-# round the dequantized weights to bf16 first. That rounding alone accounts for the whole difference (about 1% on
+# Weight-only: hf_w4 dequantizes exactly in fp32, while compressed-tensors' NVFP4 and auto-round's fake export (the
+# AWQ-layout references) round the dequantized weights to bf16 first. That rounding alone accounts for the whole difference (about 1% on
 # llmcompressor-nvfp4a16, none left once hf_w4's weights are rounded the same way); the int formats of
 # compressed-tensors dequantize in fp32 and match to rounding noise. A wrong nibble order, zero or scale
 # convention costs tens of percent.
