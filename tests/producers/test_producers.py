@@ -20,8 +20,8 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "producers"
 
 # folder -> what hf_w4 must make of it: W4Spec fields that every decoder Linear shares
 _CT4 = dict(method="compressed-tensors", layout="ct_pack", weight_type="int4", act="none")
-_AR_GPTQ = dict(layout="gptq", weight_type="int4", group_size=32, zero_plus_one=True)  # auto_gptq: stores zero - 1
-_AR_AWQ = dict(layout="awq", weight_type="int4", group_size=32, zero_plus_one=False)
+_GPTQ = dict(layout="gptq", weight_type="int4", group_size=32, zero_plus_one=True)  # auto_gptq: stores zero - 1
+_AWQ = dict(layout="awq", weight_type="int4", group_size=32, zero_plus_one=False)
 _MO = dict(method="modelopt", layout="modelopt_nvfp4", weight_type="nvfp4", group_size=16, act="none")
 EXPECT = {
     "llmcompressor-w4a16-sym": dict(_CT4, group_size=32, sym=True),
@@ -33,13 +33,14 @@ EXPECT = {
                                group_size=128, sym=True, act="int8_token"),
     "llmcompressor-nvfp4a16": dict(method="compressed-tensors", layout="ct_nvfp4", weight_type="nvfp4",
                                    group_size=16, act="none"),
-    "autoround-autogptq-sym": dict(_AR_GPTQ, method="gptq", sym=True),
-    "autoround-autogptq-asym": dict(_AR_GPTQ, method="gptq", sym=False),
-    "autoround-autoawq-sym": dict(_AR_AWQ, method="awq", sym=True),
-    "autoround-autoawq-asym": dict(_AR_AWQ, method="awq", sym=False),
+    "autoround-autogptq-sym": dict(_GPTQ, method="gptq", sym=True),
+    "autoround-autogptq-asym": dict(_GPTQ, method="gptq", sym=False),
+    "autoround-autoawq-sym": dict(_AWQ, method="awq", sym=True),
+    "autoround-autoawq-asym": dict(_AWQ, method="awq", sym=False),
     # auto-round's own format packs symmetric checkpoints the GPTQ way and asymmetric ones the AWQ way
-    "autoround-autoround-sym": dict(_AR_GPTQ, method="auto-round", sym=True),
-    "autoround-autoround-asym": dict(_AR_AWQ, method="auto-round", sym=False),
+    "autoround-autoround-sym": dict(_GPTQ, method="auto-round", sym=True),
+    "autoround-autoround-asym": dict(_AWQ, method="auto-round", sym=False),
+    "autoawq-gemm-asym": dict(_AWQ, method="awq", sym=False),
     "modelopt-nvfp4": dict(_MO, has_input_scale=True),
     "modelopt-w4a16-nvfp4": dict(_MO, has_input_scale=False),
 }
