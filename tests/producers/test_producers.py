@@ -41,6 +41,9 @@ EXPECT = {
     "autoround-autoround-sym": dict(_GPTQ, method="auto-round", sym=True),
     "autoround-autoround-asym": dict(_AWQ, method="auto-round", sym=False),
     "autoawq-gemm-asym": dict(_AWQ, method="awq", sym=False),
+    "gptqmodel-gptq-sym": dict(_GPTQ, method="gptq", sym=True),
+    "gptqmodel-gptq-asym": dict(_GPTQ, method="gptq", sym=False),
+    "gptqmodel-gptqv2-asym": dict(_GPTQ, method="gptq", sym=False, zero_plus_one=False),  # v2 stores the zero
     "modelopt-nvfp4": dict(_MO, has_input_scale=True),
     "modelopt-w4a16-nvfp4": dict(_MO, has_input_scale=False),
 }

@@ -86,8 +86,11 @@ def save_reference(out_dir: str, ids: torch.Tensor, logits: torch.Tensor, **meta
               os.path.join(out_dir, "reference.safetensors"), metadata=meta)
 
 
-def strip_side_files(out_dir: str, keep=("config.json", "model.safetensors", "reference.safetensors",
-                                         "quantization_config.json", "hf_quant_config.json", "recipe.yaml")) -> None:
+KEEP = ("config.json", "model.safetensors", "reference.safetensors", "quantization_config.json",
+        "hf_quant_config.json", "recipe.yaml")
+
+
+def strip_side_files(out_dir: str, keep=KEEP) -> None:
     """Drop what a loader never reads (generation_config, tokenizer files if any) to keep the data small."""
     for f in os.listdir(out_dir):
         if f not in keep:
