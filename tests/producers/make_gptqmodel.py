@@ -57,7 +57,9 @@ def quantize(out: str, sym: bool, fmt: str) -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
     dense = tiny.dense_checkpoint(tempfile.mkdtemp())
     tiny.stub_tokenizer().save_pretrained(dense)  # GPTQModel.load wants a tokenizer beside the model
-    model = GPTQModel.load(dense, QuantizeConfig(bits=4, group_size=GROUP_SIZE, sym=sym, format=fmt), device="cpu")
+    # no disk offload: a tiny model does not need it, and its temporary path would end up in the saved config
+    qc = QuantizeConfig(bits=4, group_size=GROUP_SIZE, sym=sym, format=fmt, offload_to_disk=False)
+    model = GPTQModel.load(dense, qc, device="cpu")
     calib = [{"input_ids": r[None], "attention_mask": torch.ones_like(r[None])} for r in tiny.calibration_ids()]
     model.quantize(calib, batch_size=4)
     model.save(out)

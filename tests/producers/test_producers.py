@@ -1,10 +1,10 @@
 """Golden checkpoints written by the real producer libraries, read by hf_w4.
 
-Each folder under tests/data/producers/ was written by a producer (llm-compressor, auto-round, ModelOpt) from the
-same tiny seeded Llama, with reference.safetensors holding a probe input and the producer's own fp32 logits for
-it (its dequantized / fake-quant model). hf_w4 must load the folder through from_pretrained, with every Linear of
-the decoder as a QuantLinear of the expected format, and reproduce those logits. tests/producers/regenerate.py
-rebuilds the folders in side venvs; it is not run here.
+Each folder under tests/data/producers/ was written by a producer (llm-compressor, auto-round, AutoAWQ, GPTQModel,
+NVIDIA ModelOpt) from the same tiny seeded Llama, with reference.safetensors holding a probe input and the
+producer's own fp32 logits for it (its dequantized model; its metadata says how each was made). hf_w4 must load
+the folder through from_pretrained, with every Linear of the decoder a QuantLinear of the expected format, and
+reproduce those logits. tests/producers/regenerate.py rebuilds the folders in side venvs; it is not run here.
 """
 import json
 from pathlib import Path
@@ -20,7 +20,7 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "producers"
 
 # folder -> what hf_w4 must make of it: W4Spec fields that every decoder Linear shares
 _CT4 = dict(method="compressed-tensors", layout="ct_pack", weight_type="int4", act="none")
-_GPTQ = dict(layout="gptq", weight_type="int4", group_size=32, zero_plus_one=True)  # auto_gptq: stores zero - 1
+_GPTQ = dict(layout="gptq", weight_type="int4", group_size=32, zero_plus_one=True)  # GPTQ v1: zero - 1
 _AWQ = dict(layout="awq", weight_type="int4", group_size=32, zero_plus_one=False)
 _MO = dict(method="modelopt", layout="modelopt_nvfp4", weight_type="nvfp4", group_size=16, act="none")
 EXPECT = {
@@ -53,10 +53,10 @@ DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "
 COSINE_MIN = 0.9999
 # Budget on max |hf_w4 - producer| over the logits, relative to max |producer|, by activation scheme.
 # Weight-only: hf_w4 dequantizes exactly in fp32, while compressed-tensors' NVFP4 and auto-round's fake export (the
-# AWQ-layout references) round the dequantized weights to bf16 first. That rounding alone accounts for the whole difference (about 1% on
-# llmcompressor-nvfp4a16, none left once hf_w4's weights are rounded the same way); the int formats of
-# compressed-tensors dequantize in fp32 and match to rounding noise. A wrong nibble order, zero or scale
-# convention costs tens of percent.
+# AWQ-layout references) round the dequantized weights to bf16 first. That rounding alone makes the difference
+# (0.9% on llmcompressor-nvfp4a16, nothing left once hf_w4's weights are rounded the same way); the other
+# references dequantize in fp32 and match to rounding noise. A wrong nibble order, zero or scale convention costs
+# tens of percent.
 # int8 activations: per-token rounding to steps of max|x|/127.5 turns fp32 reassociation noise into whole steps;
 # nudging the embeddings by 1e-6 (relative) moves the producer's own W8A8 / W4A8 logits by 1.6% / 1.5% of max,
 # the same as the difference to hf_w4, so 3%.
@@ -97,7 +97,7 @@ def test_producer_checkpoint(name, hf_w4_installed):
         out = model(input_ids=ids).logits.float()
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
     rel = ((out - ref).abs().max() / ref.abs().max()).item()
-    where = f"{name} (written by {meta.get('versions', '?')})"
+    where = f"{name} (written by {json.loads(meta['reference'])['versions']})"
     assert cos >= COSINE_MIN, f"{where}: logits cosine {cos:.6f} < {COSINE_MIN} against the producer's reference"
     budget = MAX_ABS_REL[expect.get("act", "none")]
     assert rel <= budget, f"{where}: max |diff| / max |ref| = {rel:.4f} > {budget}"

@@ -80,10 +80,11 @@ def fp32_logits(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_reference(out_dir: str, ids: torch.Tensor, logits: torch.Tensor, **meta) -> None:
-    """reference.safetensors: the probe input and the producer's fp32 logits, with how they were made."""
-    meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in meta.items()}
+    """reference.safetensors: the probe input and the producer's fp32 logits, with how they were made (one JSON
+    metadata entry, so that the file's bytes do not depend on the order the header's keys are written in)."""
     save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous()},
-              os.path.join(out_dir, "reference.safetensors"), metadata=meta)
+              os.path.join(out_dir, "reference.safetensors"),
+              metadata={"reference": json.dumps(meta, sort_keys=True)})
 
 
 KEEP = ("config.json", "model.safetensors", "reference.safetensors", "quantization_config.json",
