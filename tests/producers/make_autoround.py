@@ -83,8 +83,9 @@ def make(out_root: str, name: str) -> None:
     assert getattr(fake_model.config, "quantization_config", None) is None, f"{fake}: not a dense export"
     ids, fake_logits = tiny.fp32_logits(fake_model)
 
-    if any(k.endswith(".g_idx") for k in first) or json.load(open(os.path.join(real, "config.json")))[
-            "quantization_config"].get("packing_format", "").endswith("auto_gptq"):
+    with open(os.path.join(real, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    if qc["quant_method"] == "gptq" or qc.get("packing_format") == "auto_round:auto_gptq":
         # GPTQ layout: the file stores zero - 1, clamped at 0 (auto-round's packer), so a group whose zero is 0
         # reads back as zero 1, unlike in the fake export. The reference is what auto-round's reader makes of
         # the file.
@@ -101,6 +102,7 @@ def make(out_root: str, name: str) -> None:
     tiny.strip_side_files(out)
     tiny.save_reference(out, ids, logits, producer="auto-round", scheme=name, how=how,
                         versions={"auto-round": auto_round.__version__, "torch": torch.__version__})
+
 
 if __name__ == "__main__":
     root = sys.argv[1]
