@@ -35,6 +35,11 @@ class LayoutError(ValueError):
 # nibble packing
 
 
+# GPTQ v1 qzeros are the true zeros' int32 words minus this, in word arithmetic (so a true zero of 0 borrows from
+# the next slot), as GPTQModel writes and reads them; without a zero of 0 it is the same as zero - 1 per nibble
+V1_ZERO_OFFSET = 0x11111111
+
+
 def pack_nibbles(values: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SLOTS) -> torch.Tensor:
     """Pack 4-bit values (0..15, any int dtype) 8 per int32 along ``dim``: element j of each run of 8
     goes to bits [4*slots[j], 4*slots[j]+4)."""
@@ -249,9 +254,10 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
     if L in ("gptq", "awq"):
         _finite(name, "scales", t["scales"])
         scales = t["scales"].to(torch.float32).t().contiguous()
-        zeros = unpack_nibbles(t["qzeros"], 1, SEQ_SLOTS if L == "gptq" else AWQ_SLOTS).to(torch.float32)
+        qzeros = t["qzeros"]
         if L == "gptq" and spec.zero_plus_one:
-            zeros = zeros + 1
+            qzeros = qzeros.to(torch.int64) + V1_ZERO_OFFSET  # carries included; unpack_nibbles drops bit 32 up
+        zeros = unpack_nibbles(qzeros, 1, SEQ_SLOTS if L == "gptq" else AWQ_SLOTS).to(torch.float32)
         g_idx = None
         if L == "gptq" and "g_idx" in t:
             g_idx = t["g_idx"].to(torch.int64)
@@ -357,12 +363,13 @@ def pack(spec: W4Spec, codes: torch.Tensor, scales: torch.Tensor, zeros: Optiona
     if L in ("gptq", "awq"):
         z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.int64)
         z = z.to(torch.int64)
-        if L == "gptq" and spec.zero_plus_one:
-            z = z - 1  # v1 stores zero-1 (a true zero of 0 wraps to 15, as the producers' files would)
         sd = scale_dtype or torch.float16
         out = {"scales": scales.t().contiguous().to(sd), "qweight": pack_codes(spec, codes)}
         if L == "gptq":
             out["qzeros"] = pack_nibbles(z.t(), 1, SEQ_SLOTS)
+            if spec.zero_plus_one:
+                w = (out["qzeros"].to(torch.int64) - V1_ZERO_OFFSET) & 0xFFFFFFFF
+                out["qzeros"] = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
             if g_idx is not None or spec.has_g_idx:
                 gs = spec.effective_group(k)
                 out["g_idx"] = (g_idx if g_idx is not None else torch.arange(k) // gs).to(torch.int32)
