@@ -14,7 +14,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from .. import formats, layouts
-from . import checkpoint, filemaps, moe
+from . import checkpoint, memory, moe
 from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
@@ -246,8 +246,8 @@ class HfW4Quantizer(HfQuantizer):
             m.offload_to(source, device)
         # tensors transformers left as views of the checkpoint's memory maps get their own memory, layer by layer
         # before each repack (read with pread: the maps' pages are never faulted in), so the files are unmapped
-        # and no more than one layer is ever held twice
-        maps = filemaps.CheckpointMaps(getattr(self, "_checkpoint_files", ()))
+        # and no more than one layer is ever held twice (loading/memory.py)
+        maps = memory.CheckpointMaps(getattr(self, "_checkpoint_files", ()))
         try:
             for m in model.modules():
                 if isinstance(m, QuantLinear):
@@ -256,6 +256,7 @@ class HfW4Quantizer(HfQuantizer):
                     for p in m.parameters(recurse=False):
                         p.requires_grad_(False)
                     m.select_kernel(dtype, force=self.options["kernel"], deny=self.options["disabled_kernels"])
+                    memory.trim_heap()  # the repack's scratch, before the next layer's
             maps.copy_out(model)
         finally:
             maps.close()

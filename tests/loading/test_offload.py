@@ -150,8 +150,8 @@ def test_offloaded_tensors_come_in_as_stored(written, tmp_path):
             return self.inner[k].float()
 
     m._offload_source = Casting(m._offload_source.inner)
-    with pytest.raises(layouts.LayoutError,
-                       match=r"q_proj\.qweight: the offloaded tensor came back as .* torch.float32, expected .* int32"):
+    with pytest.raises(layouts.LayoutError, match=r"q_proj\.qweight: the offloaded tensor came back as "
+                                                  r".* torch.float32, expected .* torch.int32"):
         _logits(model)
 
 
@@ -163,3 +163,16 @@ def test_missing_offloaded_tensor_is_named(written, tmp_path):
     m._offload_source = {}
     with pytest.raises(layouts.LayoutError, match=r"mlp\.up_proj\.qweight: offloaded, but not in the offloaded"):
         _logits(model)
+
+
+def test_offload_buffers_too(written, tmp_path):
+    """With offload_buffers=True accelerate's hook also brings the layer's tensors in (they are buffers); the layer
+    still reads its own and leaves nothing behind."""
+    res = written("ct-w4a16", dict(sym=False, group_size=32))
+    want = _logits(AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32, device_map=DISK_MAP,
+                                                 offload_folder=str(tmp_path), offload_buffers=True)
+    off = _offloaded(model)
+    assert off and all(_holds_nothing(m) for m in off)
+    assert torch.equal(_logits(model), want)
+    assert all(_holds_nothing(m) for m in off)

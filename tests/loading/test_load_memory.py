@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_w4.loading import filemaps
+from hf_w4.loading import memory
 from hf_w4.nn import QuantLinear
 from hf_w4.tools import writers
 
@@ -32,7 +32,7 @@ def test_no_checkpoint_file_stays_mapped(tiny_llama, tmp_path, fmt):
     assert len(files) > 2
     # bf16 as on disk: nothing is cast on the way in, so without the copies every tensor would be a view of a map
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.bfloat16)
-    assert filemaps.mapped(files) == []
+    assert memory.mapped(files) == []
     disk = {}
     for f in files:
         disk.update(load_file(f))
@@ -48,5 +48,5 @@ def test_tied_parameters_stay_tied(tiny_llama_tied, tmp_path):
     res = writers.write_checkpoint(tiny_llama_tied, str(tmp_path / "ckpt"), "gptq")
     assert json.load(open(f"{res.path}/config.json"))["tie_word_embeddings"]
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
-    assert filemaps.mapped([f"{res.path}/model.safetensors"]) == []
+    assert memory.mapped([f"{res.path}/model.safetensors"]) == []
     assert model.lm_head.weight is model.model.embed_tokens.weight
