@@ -1,4 +1,4 @@
-"""Fetch SIMDe's headers (Debian's libsimde-dev, MIT licensed) into DEST/include for tests/test_avx512_emulated.py,
+"""Fetch SIMDe's headers (Debian's libsimde-dev, MIT licensed) into DEST/include for tests/kernels/test_avx512_emulated.py,
 which builds the AVX-512 kernels against them to run on CPUs without AVX-512. Test-only: never part of hf_w4's own
 build. Pinned by version and sha256; idempotent. Usage: python .ci/fetch_simde.py DEST"""
 import hashlib

@@ -1,7 +1,7 @@
 """Loads the compiled op library (hf_w4/_C*.so) once. Never raises: a failed load is remembered
 and reported by kernels through ``load_error()``. ``cpu_flags()`` says what this CPU offers the library.
 
-Imports nothing of hf_w4: the library only registers implementations (``TORCH_LIBRARY_IMPL``), which torch
+Imports nothing else of hf_w4: the library only registers implementations (``TORCH_LIBRARY_IMPL``), which torch
 accepts before or after :mod:`hf_w4.ops` defines the schemas."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import FrozenSet, Optional
 
 import torch
 
+from . import env
+
 _state = {"loaded": None, "error": None}
 
 
@@ -20,9 +22,9 @@ def load() -> bool:
         return _state["loaded"]
     here = os.path.dirname(os.path.abspath(__file__))
     libs = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
-    if os.environ.get("HF_W4_LIBRARY"):  # another build of the same sources (tests/test_avx512_emulated.py)
-        libs = [os.environ["HF_W4_LIBRARY"]]
-    if os.environ.get("HF_W4_NO_EXT") == "1":
+    if env.text("HF_W4_LIBRARY"):  # another build of the same sources (tests/kernels/test_avx512_emulated.py)
+        libs = [env.text("HF_W4_LIBRARY")]
+    if env.text("HF_W4_NO_EXT") == "1":
         _state["loaded"], _state["error"] = False, "disabled by HF_W4_NO_EXT=1"
     elif not libs:
         _state["loaded"], _state["error"] = False, (

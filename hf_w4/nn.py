@@ -16,25 +16,18 @@ with their on-disk dtypes, and each forward brings them in, repacks them for the
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import layouts
+from . import env, layouts
 from .formats.spec import W4Spec
 from .kernels import registry
 
-_ENV_BOOLS = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
-
-
 def keep_checkpoint_tensors() -> bool:
     """``HF_W4_KEEP_CHECKPOINT_TENSORS``: keep the checkpoint's code tensor next to the kernel's copy."""
-    v = os.environ.get("HF_W4_KEEP_CHECKPOINT_TENSORS", "")
-    if v.strip().lower() not in _ENV_BOOLS:
-        raise ValueError(f"HF_W4_KEEP_CHECKPOINT_TENSORS={v!r}: expected one of 0/1/true/false/yes/no")
-    return _ENV_BOOLS[v.strip().lower()]
+    return env.switch("HF_W4_KEEP_CHECKPOINT_TENSORS")
 
 
 def plain_linear(m: nn.Module) -> bool:

@@ -18,34 +18,27 @@ def has_impl(op: str, device: str = "CPU") -> bool:
         return False
 
 
-# ---- W4A16 (cpu_w4a16)
-# Kernel layout (see csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns),
-# scales fp32 [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]; the repack refuses the NaN bytes 0x7f / 0xff),
-# zs fp32 [P, G, 32] = zero*scale (asymmetric int4 only, else an empty tensor). group_size: an even divisor of K > 0
-# (channel-wise: K, not -1). gemm: isa "" = auto (env HF_W4_ISA caps it),
-# "avx512" | "avx2" | "generic"; path -1 = auto by M, 0 = fused small-M kernel, 1 = dequantize + at::linear (bf16
-# x: a bf16 GEMM), 2 = AMX-BF16 tiles (bf16 x, K % 32 == 0, AMX CPU + Linux tile permission; else falls back to
-# auto), 3 = int16 activations x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd; any x dtype when forced, inf / nan in
-# x fall back to path 0; a group size without an int16 block: auto), 4 = dequantize to fp32 + fp32 GEMM.
-# Auto: bf16 x takes path 3 up to M = 4 with AMX (int4 groups of a multiple of 32: up to 2 for groups of 128 or
-# more, 3 for 64, 4 for 32; AVX-512 without AMX: 32, AVX2: 16), then AMX when available (HF_W4_AMX=0 disables);
-# int4 groups that are not a multiple of 32 take AMX from M = 6 (measured tables in csrc/cpu/w4a16_torch.cpp).
-# Above that without AMX, bf16 x takes whichever of paths 3, 1 and 4 is fastest on this CPU at the call's M, from
-# timings at two M once per process, ISA and weight type at the first such call and a straight line through them
-# (HF_W4_LARGE_PATH=int16|bf16|fp32 sets one path; cpu_w4a16_info reports the choice). On
-# AMX, NVFP4 folds its block scales in through fp16 products where the CPU has AVX512-FP16 (HF_W4_AMX_FP16=0: the
-# fp32 decode; bit-identical results). On path 3, NVFP4 looks its codes up with vpermb where the CPU has AVX512-VBMI
-# (HF_W4_VBMI=0: vpermw; bit-identical). The AWQ repack uses AVX2 byte shuffles.
+# ---- W4A16 (cpu_w4a16). Layouts, paths, ISA dispatch and the M crossovers: docs/cpu-kernels.md.
+# Kernel layout (csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns), scales fp32
+# [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]; the repack refuses the NaN bytes 0x7f / 0xff), zs fp32
+# [P, G, 32] = zero*scale (asymmetric int4 only, else an empty tensor). group_size: an even divisor of K > 0
+# (channel-wise: K, not -1). gemm: isa "" = auto (else HF_W4_ISA), "avx512" | "avx2" | "generic" (an error if the
+# CPU lacks it); path -1 = auto (fixed rules, csrc/cpu/w4a16_path.h), 0 = fused small-M kernel, 1 = dequantize +
+# at::linear (bf16 x: a bf16 GEMM), 2 = AMX-BF16 tiles, 3 = int16 activations x raw codes (inf / nan in x fall back
+# to path 0), 4 = dequantize to fp32 + fp32 GEMM; a path the call cannot take falls back to auto.
 lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
            "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
 # cpu_w4a16_info: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M (from M = 17;
-# int4_no_i16: int4 group sizes without an int16 block), with the times it comes from (timing first if no call has
-# yet), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=71, fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=35, fp32]
-# (timed, 2048x2048 at M=64 / 256, ms: int4 int16 2.518 / 9.913, fp32 2.630 / 6.995; nvfp4 int16 3.883 / 15.443,
-# fp32 2.837 / 7.269)".
+# int4_no_i16: int4 group sizes without an int16 block), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=80,
+# fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=32, fp32] (fixed rules for avx2 without AMX; cpu: avx2)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
+# cpu_w4a16_path: the path the automatic choice of cpu_w4a16_gemm takes for a call with M rows of K columns, this
+# weight type / group size / asymmetry and activation dtype on this machine: "fused", "bf16", "amx", "int16" or "fp32"
+# (the names of paths 0..4).
+lib.define("cpu_w4a16_path(int m, int k, str weight_type, int group_size, bool asym, ScalarType dtype, "
+           "str isa=\"\") -> str")
 # cpu_w4a16_quant_x16: the int16 path's activation quantizer alone (tests): x [M, K] -> (xq int16 [M, K], xs fp32
 # [M, K / block] = the power-of-two scale, xd int32 [M, K / block] = the sum of the block's xq); l1max > 0 (at least
 # 2 * block) also bounds each block's sum of |xq| (the folded NVFP4 kernel); an error on inf / nan. isa as for
@@ -98,20 +91,25 @@ def cpu_w4a16_gemm(x, qpack, scales, zs, n, group_size, weight_type, perm=None, 
 
 
 def cpu_w4a16_info(isa=""):
-    """One line: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M with the times it
-    comes from."""
+    """One line: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M."""
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_info(isa)
 
+
+
+def cpu_w4a16_path(m, k, weight_type, group_size, dtype, asym=False, isa=""):
+    """The path ("fused", "bf16", "amx", "int16" or "fp32") cpu_w4a16_gemm's automatic choice takes for M x K
+    activations of ``dtype`` on this machine."""
+    _ext.load()
+    return torch.ops.hf_w4.cpu_w4a16_path(m, k, weight_type, group_size, asym, dtype, isa)
 
 # ---- int8 (cpu_int8)
 # W8A8 / W4A8 with dynamic int8 activations (vpdpbusd). Kernel layout (see csrc/cpu/int8_gemm.h):
 # packed uint8 [P, panel_bytes] (P = ceil(N/64) panels of 64 columns; K permuted by act-order, each group
 # padded to a multiple of 8; int8: u8 = w + 128 in VNNI-4 quads, int4: nibble pairs of quads), scales fp32
-# [P, G, 64], zeros int32 [P, G, 64] (asymmetric int4, else an empty tensor). isa "" = auto (env HF_W4_ISA
-# caps it: avx512 | avx2 | generic; auto also uses AMX-INT8 where available - from M = 8 for both weight types,
-# measured in csrc/cpu/int8_ops.cpp; HF_W4_AMX=0 disables, read once per process as for the W4A16 op);
-# "amx" | "avx512" | "avx2" | "avxvnni" | "avx2novnni" | "generic" force a path (an error if the CPU lacks it).
+# [P, G, 64], zeros int32 [P, G, 64] (asymmetric int4, else an empty tensor). isa: as for cpu_w4a16_gemm ("" =
+# auto, else HF_W4_ISA; avx512 | avx2 | generic, an error if the CPU lacks it), or a variant of this kernel:
+# "avxvnni" | "avx2novnni" | "amx". Auto also uses AMX-INT8 where available from M = 8 (HF_W4_AMX=0 disables).
 lib.define("int8_isa(str isa=\"\") -> str")
 lib.define("int8_repack(Tensor codes, str weight_type, int pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
            "Tensor? perm, int n, int k, int group_size) -> (Tensor, Tensor, Tensor)")

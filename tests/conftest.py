@@ -1,18 +1,34 @@
-"""Shared offline fixtures: a tiny random Llama (fp32) and its variants, built without network access."""
+"""Shared offline fixtures and helpers: a tiny random Llama (fp32) and its variants, checkpoints written from it in
+every format the writers know, and the checkpoint editing the error tests use. Nothing needs network access."""
+import json
 import os
+import platform
+import shutil
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_w4 import _ext
 
 if os.environ.get("HF_W4_TEST_EMULATED_AVX512") == "1":
-    # run by tests/test_avx512_emulated.py with HF_W4_LIBRARY = the build whose AVX-512 kernels run on AVX2 through
-    # SIMDe: the tests' CPU-feature checks see the AVX-512 features that build provides (AMX stays absent)
+    # run by tests/kernels/test_avx512_emulated.py with HF_W4_LIBRARY = the build whose AVX-512 kernels run on AVX2
+    # through SIMDe: the tests' CPU-feature checks see the AVX-512 features that build provides (AMX stays absent)
     _host_flags = _ext.cpu_flags()
     _ext.cpu_flags = lambda: _host_flags | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                                             "avx512_vnni", "avx512vbmi"}
+
+
+def pytest_configure(config):
+    # on x86-64 the compiled library must load: without it the kernel tests would skip and the end-to-end tests
+    # would pass on the slow reference kernel, hiding a broken build
+    if platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("HF_W4_NO_EXT") != "1" and not _ext.load():
+        raise pytest.UsageError(
+            f"hf_w4's compiled library did not load: {_ext.load_error()}. Build it (python setup.py build_ext "
+            "--inplace, or pip install --no-build-isolation -e .), or set HF_W4_NO_EXT=1 to run the suite without "
+            "it on purpose (the compiled-kernel tests then skip)")
+
 
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
@@ -71,3 +87,97 @@ def tiny_llama_dir(tmp_path_factory, tiny_llama):
     d = tmp_path_factory.mktemp("tiny_llama_dense")
     tiny_llama.save_pretrained(d)
     return d
+
+
+# (format, writer options): every variant the loader tests read
+WRITER_VARIANTS = [
+    ("gptq", dict(sym=True)),
+    ("gptq", dict(sym=False, group_size=64)),
+    ("gptq", dict(sym=True, desc_act=True)),
+    ("gptq", dict(sym=False, checkpoint_format="gptq_v2")),
+    ("autoround", dict(sym=True)),
+    ("autoround", dict(sym=True, group_size=32, extra_config={"model.layers.0.mlp.down_proj": {"bits": 16}})),
+    ("autoround-awq", dict(sym=False)),
+    ("awq", dict(sym=False)),
+    ("awq", dict(sym=True)),
+    ("ct-w4a16", dict(sym=True)),
+    ("ct-w4a16", dict(sym=False, group_size=32)),
+    ("ct-w4a16", dict(sym=True, group_size=-1)),
+    ("ct-w8a8", dict()),
+    ("ct-w4a8", dict()),
+    ("ct-nvfp4", dict()),
+    ("modelopt-w4a16", dict()),
+    ("modelopt-nvfp4", dict()),
+]
+WRITER_IDS = [f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items() if k != "extra_config")
+              + ("-extra" if "extra_config" in o else "") for f, o in WRITER_VARIANTS]
+
+
+def tokens(seed: int = 1):
+    """A fixed [2, 12] batch of token ids for the tiny models."""
+    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny_llama):
+    """``written(fmt, opts)``: ``tiny_llama`` written in ``fmt`` (a WriteResult), once per module and variant."""
+    from hf_w4.tools import writers
+    cache = {}
+
+    def get(fmt, opts):
+        key = (fmt, json.dumps(opts, sort_keys=True))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(fmt)
+            cache[key] = writers.write_checkpoint(tiny_llama, str(out / "ckpt"), fmt, **opts)
+        return cache[key]
+    return get
+
+
+@pytest.fixture
+def installed_one_copy(monkeypatch):
+    """hf_w4 installed, and the packed weight held once (HF_W4_KEEP_CHECKPOINT_TENSORS unset)."""
+    import hf_w4
+    monkeypatch.delenv("HF_W4_KEEP_CHECKPOINT_TENSORS", raising=False)
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
+def same_tensor(a, b) -> bool:
+    """Equal dtype, shape and bits (1-byte dtypes such as float8 compared as bytes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+def edited_copy(base_dir, tmp_path, tensors=None, config=None) -> str:
+    """A copy of checkpoint ``base_dir`` with ``tensors(state_dict)`` / ``config(quantization_config)`` applied."""
+    d = tmp_path / "bad"
+    shutil.copytree(base_dir, d)
+    if tensors is not None:
+        sd = load_file(d / "model.safetensors")
+        tensors(sd)
+        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        c = json.load(open(d / "config.json"))
+        config(c["quantization_config"])
+        json.dump(c, open(d / "config.json", "w"))
+    return str(d)
+
+
+def load_fp32(path, **kw):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+
+
+def subprocess_env() -> dict:
+    """This environment, offline, with this checkout first on PYTHONPATH (for ``python -m hf_w4...`` children)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with a trained BPE tokenizer, saved as a dense checkpoint (``models.build_tiny``)."""
+    from hf_w4.tools import models
+    return models.build_tiny(tmp_path_factory.mktemp("tiny") / "tiny")

@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "common/dispatch.h"
 #include "int8_gemm.h"
 
 #define HF_TAVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
@@ -272,19 +273,10 @@ struct TAvx2 {
   static constexpr int MR = VNNI ? 3 : 2;
   static constexpr bool kFusedDecode = false;
   static void tile(const TileArgs& a) {
-    if (a.otf) {
-      switch (a.mr) {
-        case 1: tile_avx2<1, true, VNNI>(a); break;
-        case 2: tile_avx2<2, true, VNNI>(a); break;
-        default: tile_avx2<(VNNI ? 3 : 2), true, VNNI>(a); break;
-      }
-    } else {
-      switch (a.mr) {
-        case 1: tile_avx2<1, false, VNNI>(a); break;
-        case 2: tile_avx2<2, false, VNNI>(a); break;
-        default: tile_avx2<(VNNI ? 3 : 2), false, VNNI>(a); break;
-      }
-    }
+    hf_w4::with_rows<1, 2, MR>(a.mr, [&](auto r) {
+      if (a.otf) tile_avx2<decltype(r)::value, true, VNNI>(a);
+      else tile_avx2<decltype(r)::value, false, VNNI>(a);
+    });
   }
   HF_TAVX2 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
@@ -314,8 +306,8 @@ struct TAvx2 {
         float v = cf[r * NR + n] * sxs;
         if (bias) v += bias[n];
         if (ot == OUT_F32) ((float*)out)[r * ldo + n] = v;
-        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16(v);
-        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16(v);
+        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16_bits(v);
+        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16_bits(v);
       }
     }
   }
@@ -337,7 +329,7 @@ HF_TAVX2I int32_t hsum8(__m256i v) {
 
 inline float x1(const char* xr, int t, int64_t c) {
   return t == OUT_F32 ? ((const float*)xr)[c]
-         : t == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c]) : f16_to_f32(((const uint16_t*)xr)[c]);
+         : t == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[c]) : f16_bits_to_f32(((const uint16_t*)xr)[c]);
 }
 
 // the abs_bits maximum of p[0..n) (see act_scale)

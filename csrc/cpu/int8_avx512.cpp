@@ -3,28 +3,23 @@
 #include "int8_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include "simd512.h"
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "common/simd512.h"
 
 #include <cstring>
 
-#include "amx_tiles.h"
-#include "avx512_convert.h"
+#include "common/amx_tiles.h"
+#include "common/convert.h"
+#include "common/dispatch.h"
 #include "int8_gemm.h"
 
 #ifndef HF_W4_EMULATE_AVX512
 #define HF_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")))
-#else  // the test-only emulated build (simd512.h)
+#else  // the test-only emulated build (common/simd512.h)
 #define HF_T512
 #endif
 #define HF_T512I HF_T512 __attribute__((always_inline)) inline
 // software prefetch distance of the weight stream (bytes): int4 nibble panels (HF_PF) and int8 panels (HF_PF8,
-// twice the bytes per weight). Measured (4096x4096, 2 threads, cold, medians of 3 interleaved rounds, ms): W8A8
-// M=1 / 4 / 6 with 2048: 0.604 / 0.804 / 0.730, 4096: 0.652 / 0.671 / 0.741, 8192: 0.590 / 0.677 / 0.752 (zentorch
-// W8A8 0.64-0.66 / 0.75-0.79 / 0.92-0.94); W4A8 M=1 0.326 / 0.345 / 0.364 with 2048 / 4096 / 8192.
+// twice the bytes per weight); the best of 2, 4 and 8 KiB at M = 1-6 (docs/cpu-kernels.md, "Tuning notes").
 #ifndef HF_PF
 #define HF_PF 2048
 #endif
@@ -32,14 +27,9 @@
 #define HF_PF8 4096
 #endif
 // Also prefetched into L2 HF_PFF bytes ahead (int8 panels: twice that), as the W4A16 int16 kernel does
-// (kW4PrefetchFarBytes). Builds alternated twice, 4096x4096, 2 threads, cold, medians of 2 interleaved rounds, ms,
-// without / with: W8A8 M=1 0.657-0.661 / 0.625-0.635, M=4 0.700-0.702 / 0.626-0.641 (zentorch W8A8 0.662-0.669 /
-// 0.773-0.797); W4A8 M=1 0.349-0.350 / 0.337-0.339, M=4 0.385-0.388 / 0.358-0.362.
+// (kW4PrefetchFarBytes): 3-10 % faster at M = 1-4.
 // Only where no row tile prefetches the next block (TileArgs::pfn == 0: one row tile): with several, the far
-// prefetch of the first tile only duplicated theirs and held fill buffers (perf put its stalls on the far prefetch).
-// Builds alternated three times, 2 threads, cold, ms, with / without: W4A8 g128 4096x4096 M=8 0.518-0.523 /
-// 0.480-0.484, M=16 0.681-0.707 / 0.632-0.651, M=48 1.41-1.56 / 1.36-1.47, 11008x4096 M=8 1.35-1.39 / 1.25-1.28;
-// W8A8 4096x4096 M=16 0.962-0.989 / 0.898-0.921, M=48 1.62-1.69 / 1.56-1.66, 11008x4096 M=16 2.42-2.51 / 2.17-2.26.
+// prefetch of the first tile only duplicated theirs and held fill buffers (5-10 % slower with it).
 #ifndef HF_PFF
 #define HF_PFF 32768
 #endif
@@ -106,9 +96,7 @@ HF_T512I __m512i bcast4(const int8_t* p) {
 // row: each broadcast activation quad serves two dot products. Decoding one vector at a time, GCC held the quad
 // pair's 12 activation quads in general registers and broadcast them again for every vector (12 vpbroadcastd from
 // a GPR per 12 vpdpbusd, on the same two vector ports), and the first row tile of a block, which decodes, took
-// twice as long as the next (1 thread, hot, perf). Builds alternated, 2 threads, cold, W4A8 g128, ms, before /
-// after: 4096x4096 M=8 0.537-0.556 / 0.514-0.530, M=16 0.691-0.715 / 0.670-0.690, M=32 1.094-1.121 / 1.054-1.075,
-// M=48 1.50-1.53 / 1.40-1.45; 11008x4096 M=16 1.80-1.87 / 1.74-1.83, M=48 3.95-4.12 / 3.79-3.97.
+// twice as long as the next (two at a time: 3-7 % faster).
 #define HF_OTF_DEC(J, LO, HI)                                                        \
   const __m512i raw##J = _mm512_loadu_si512(B + 64 * J);                            \
   const __m512i LO = _mm512_and_si512(raw##J, mask);                                 \
@@ -136,11 +124,8 @@ HF_T512I __m512i bcast4(const int8_t* p) {
 
 // one line per K step of the tile's share of the next weight block (TileArgs::pf), until it is all requested. The
 // share can be longer than the tile's steps (the decoding tile has half as many, W8A8's blocks are twice as long):
-// the lines left are then not prefetched, and that measured faster than a faster rate that covers them. Builds
-// alternated three times, 2 threads, cold, ms, 2 lines / 1 line per step: W4A8 g128 4096x4096 M=16 0.671-0.680 /
-// 0.599-0.613, M=48 1.39-1.48 / 1.31-1.34, 11008x4096 M=16 1.69-1.74 / 1.56-1.62; W8A8 4096x4096 M=16 0.82-0.84 /
-// 0.79-0.80, M=32 1.22-1.23 / 1.04-1.05, M=48 1.49-1.51 / 1.30-1.32; M=64 and 256 level. 4 lines per step: M=16
-// 0.72-0.74; a line every other step: 0.70-0.72.
+// the lines left are then not prefetched, and that measured 5-15 % faster than a rate that covers them (and than 4
+// lines per step, or one every other step).
 // the software prefetch of one 256-byte step of a weight stream at src: its 4 lines `near` bytes ahead into L1 and,
 // with far > 0, `far` bytes ahead into L2 (no ISA attribute: the AMX conversion uses it too)
 __attribute__((always_inline)) inline void prefetch_weights(const void* src, int64_t near, int64_t far) {
@@ -174,9 +159,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
     if constexpr (!OTF) {
       const uint8_t* B = a.b + (gs0 - a.kb0) * NR;
       const int64_t nq = (gs1 - gs0) / 4;
-      // two quads per iteration (a group of 128 is 32 quads; 4 measured the same as 2). W4A8 g128 without AMX, ms,
-      // before / after: 1024x1024 M=1024, 1 thread, hot, 3.73-3.78 / 3.54-3.57 (W8A8 3.26-3.31 / 3.21); 4096x4096
-      // M=1024, 2 threads, cold, builds alternated twice, 26.5-26.9 / 25.2-25.3, M=16 / 64 / 256 level
+      // two quads per iteration (a group of 128 is 32 quads; 4 measured the same as 2; ~5 % faster than 1)
 #pragma GCC unroll 2
       for (int64_t q = 0; q < nq; ++q) {
         if (a.stream) {  // one row tile: the weight streams from memory, keep several KiB in flight
@@ -229,25 +212,10 @@ struct T512 {
   static constexpr int MR = MRA;
   static constexpr bool kFusedDecode = true;
   static void tile(const TileArgs& a) {
-    if (a.otf) {
-      switch (a.mr) {
-        case 1: tile512<1, true>(a); break;
-        case 2: tile512<2, true>(a); break;
-        case 3: tile512<3, true>(a); break;
-        case 4: tile512<4, true>(a); break;
-        case 5: tile512<5, true>(a); break;
-        default: tile512<6, true>(a); break;
-      }
-    } else {
-      switch (a.mr) {
-        case 1: tile512<1, false>(a); break;
-        case 2: tile512<2, false>(a); break;
-        case 3: tile512<3, false>(a); break;
-        case 4: tile512<4, false>(a); break;
-        case 5: tile512<5, false>(a); break;
-        default: tile512<6, false>(a); break;
-      }
-    }
+    hf_w4::with_rows<1, 2, 3, 4, 5, 6>(a.mr, [&](auto r) {
+      if (a.otf) tile512<decltype(r)::value, true>(a);
+      else tile512<decltype(r)::value, false>(a);
+    });
   }
   HF_T512 static void decode(const uint8_t* src, uint8_t* dst, int64_t nq2) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -315,8 +283,8 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         for (int64_t j = 0; j < K; ++j) {
           const int64_t c = q.perm[j];
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[c]
-                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[c])
-                                           : f16_to_f32(((const uint16_t*)xr)[c]);
+                   : q.in_type == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[c])
+                                           : f16_bits_to_f32(((const uint16_t*)xr)[c]);
         }
       }
       // max |x| of the vector part (abs_bits), fused into the copy when there is no perm
@@ -341,8 +309,8 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         have_mx = true;
         for (; j < K; ++j)
           buf[j] = q.in_type == OUT_F32 ? ((const float*)xr)[j]
-                   : q.in_type == OUT_BF16 ? bf16_to_f32(((const uint16_t*)xr)[j])
-                                           : f16_to_f32(((const uint16_t*)xr)[j]);
+                   : q.in_type == OUT_BF16 ? bf16_bits_to_f32(((const uint16_t*)xr)[j])
+                                           : f16_bits_to_f32(((const uint16_t*)xr)[j]);
       }
       float s_tok = 0.f;
       if (!q.act_group) {
@@ -438,25 +406,16 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
 // With two row blocks a step's shares run between its tile loads and its TDPs rather than after the TDPs: tile
 // loads wait for older vector stores (stand-alone, 1 thread: 32 64-byte stores then 3 tile loads + 2 TDPs per
 // iteration took 22 ns against 14 and 9 for each alone, while stores next to TDPs alone overlap), so the shares'
-// stores now have the TDPs' run to drain before the next step's loads. 2 threads, cold, 7 interleaved rounds, ms,
-// before / after: W4A8 g128 4096x4096 M=64 1.067 / 1.043, M=1024 11.97 / 11.72 (another run 12.03 / 11.72),
-// 2048x2048 M=1024 3.38 / 3.30; W8A8 level (4096x4096 M=1024 8.57 / 8.65, 8.86 / 8.74).
-// Tried and dropped (W4A8 g128 4096x4096, 2 threads, cold, 5 interleaved rounds, ms, this kernel first): one epilogue
-// per 2 or 4 finished groups of a pair (an fp32 accumulator pass per batch instead of per group, cb 2 x 4 x 8 KiB)
-// M=1024 10.86 / 12.0, M=256 2.89 / 3.19; the next slice converted in one burst at the slice's first step instead of
-// spread over its steps, M=1024 10.04 / 12.11; row chunks of 512 / 1024 rows, M=1024 10.05 / 9.90 / 10.56; K slices
-// of 256 / 1024 (W8A8 too), M=1024 10.56 / 12.58 / 10.67. Upper bounds (wrong results): without the epilogue M=1024
-// 10.0 -> 8.6, without the next-slice conversion 10.0 -> 8.65 (W8A8 7.96 -> 5.96).
-// Used only when the CPU and the OS allow it (see amx_usable).
+// stores now have the TDPs' run to drain before the next step's loads (~2 % faster). Batched epilogues, one-burst
+// slice conversion, other row-chunk and K-slice sizes all measured slower.
+// Used only when the CPU and the OS allow it (cpu_caps().amx_int8).
 
 #define HF_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
 // Packed-K slice converted at a time: 512 (32 KiB of B tiles) for row chunks of more than 32 rows, 128 (8 KiB)
 // for up to 32. With one or two 16-row blocks every B tile is used once or twice, and the two 32 KiB slice buffers
 // plus the activations pushed the tile loads out to L2; with 8 KiB slices the B tiles are read from L1.
-// Measured (1 thread, hot, K = N = 4096, ms, 128 vs 512): W4A8 g128 M=8 0.50 vs 0.76, M=16 0.55-0.60 vs
-// 0.86-0.91, M=32 1.05 vs 1.19; W8A8 M=32 0.93 vs 1.34, M=48 1.26 vs 1.68; from M = 64 the 512 slices are faster
-// (W4A8 M=64 1.82 vs 2.02, M=1024 25.2 vs 29.7).
+// (128-k slices: 10-35 % faster up to M = 48; from M = 64 the 512 slices are faster.)
 constexpr int64_t AMX_KC = 512;
 constexpr int64_t AMX_KC_SMALL = 128;
 
@@ -592,9 +551,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
   int cbi = 0;
   AmxEpi pend{nullptr, 0, 0, 0, false};
   const int8_t* Ab = p.A + m0 * Kp;  // m0 % 16 == 0: the chunk's first 16-row block
-  // source bytes of one slice, at least HF_PFF (int8: twice that; a 128-k int4 slice is only 4 KiB). 4096x4096,
-  // 2 threads, cold, builds alternated, ms, W4A8 M=16 one slice / 32 KiB: 0.494, 0.452, 0.483, 0.447 / 0.440,
-  // 0.440, 0.440, 0.461; M=8 0.440, 0.420 / 0.433, 0.414.
+  // source bytes of one slice, at least HF_PFF (int8: twice that; a 128-k int4 slice is only 4 KiB)
   const int64_t far =
       g.wtype == W_INT8 ? std::max<int64_t>(kc * NR, 2 * HF_PFF) : std::max<int64_t>(kc * NR / 2, HF_PFF);
   amx_convert(p, Bp, Zp, !ZC, 0, kc < Kp ? kc : Kp, bufs, 0, far);
@@ -608,7 +565,7 @@ HF_TAMX void amx_item(const Plan& p, int64_t item) {
     int64_t step = 0, done = 0;
     // A pair of 16-row blocks takes 2 x 2 register blocking per half of the panel: A tiles 4, 5 x B tiles 6, 7
     // (column tiles 2h, 2h + 1) -> C tiles 0, 1 (rows 0..15) and 2, 3 (rows 16..31), 4 tile loads per 4 TDPs
-    // (1 thread, 4096 x 4096, M = 1024: 65 vs 71 ms for 1 x 4). A single block (M <= 16, an odd last block)
+    // (~10 % faster than 1 x 4). A single block (M <= 16, an odd last block)
     // keeps 1 x 4: A tile 4 x B tiles 5, 6, 7, 5 -> C tiles 0..3, 5 loads per 4 TDPs instead of 6.
     for (int64_t rb = 0; rb < nb; rb += 2) {
       const bool two = rb + 1 < nb;
@@ -721,31 +678,9 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
   _tile_release();
 }
 
-bool amx_request() {
-#if defined(__linux__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
-  // Linux: ask for the XTILEDATA state component (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18)
-  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
-
-bool amx_usable() {
-  static const bool ok = amx_request();
-  return ok;
-}
-
-bool amx_eligible(const Plan& p) { return p.g.Gp % 64 == 0; }
 
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { amx_items(p, i0, i1); }
-
-namespace {
-}  // namespace
 
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { run_items<T512>(p, i0, i1); }
 void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_impl(q, t0, t1); }
@@ -756,8 +691,6 @@ void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tile
 namespace hf_w4_int8 {
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
 void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_generic(q, t0, t1); }
-bool amx_usable() { return false; }
-bool amx_eligible(const Plan&) { return false; }
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { gemm_items_generic(p, i0, i1); }
 }  // namespace hf_w4_int8
 #endif

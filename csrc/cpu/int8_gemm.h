@@ -19,6 +19,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/convert.h"
+#include "common/qweight_codes.h"
+
 namespace hf_w4_int8 {
 
 constexpr int NR = 64;
@@ -29,10 +32,9 @@ enum Isa : int { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3 
 enum OutType : int { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
 enum WType : int { W_INT8 = 0, W_INT4 = 1 };
 
-int best_isa();                 // best ISA of this CPU
-bool isa_available(int isa);
+// The kernel variants; the ISA level (common/cpu_features.h) picks one: avx512 -> ISA_AVX512, avx2 -> ISA_AVXVNNI
+// where the CPU has AVX-VNNI, else ISA_AVX2 (vpdpbusd emulated), generic -> ISA_GENERIC.
 const char* isa_name(int isa);
-int resolve_isa(int requested); // -1 = auto (env HF_W4_ISA honoured); returns -1 - isa if unavailable
 
 // per-thread scratch (64-byte aligned, grows; slot 0..3)
 void* thread_scratch(int slot, size_t bytes);
@@ -47,10 +49,9 @@ Geometry make_geometry(int64_t n, int64_t k, int64_t group_size, int wtype);
 // int8: w int8 [N][K] (element (n, k) at w[n*s0 + k*s1]); perm: int64 [K] or null (packed logical column j = perm[j])
 void repack_int8_panels(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
                         uint8_t* out, int64_t p0, int64_t p1);
-// int4: codes int32 words (word (a, b) at codes[a*s0 + b*s1]); pack_dim 0 = along k ([N][K/8] words),
-// 1 = along n ([N/8][K] words); element j of a run of 8 sits in nibble slots[j]
-void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int64_t s1, int pack_dim,
-                        const int* slots, const int64_t* perm, uint8_t* out, int64_t p0, int64_t p1);
+// int4: the checkpoint's int32 words (common/qweight_codes.h)
+void repack_int4_panels(const Geometry& g, const hf_w4::QCodes& qc, const int64_t* perm, uint8_t* out, int64_t p0,
+                        int64_t p1);
 // int4 values -8..7 stored one per int8 (compressed-tensors W4A8) -> int4 panels with codes v + 8 (zero 8)
 void repack_int4_from_int8(const Geometry& g, const int8_t* w, int64_t s0, int64_t s1, const int64_t* perm,
                            uint8_t* out, int64_t p0, int64_t p1);
@@ -90,10 +91,8 @@ void quant_tiles_avx2(const QuantArgs& q, int64_t t0, int64_t t1);
 void gemm_items_generic(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1);
 void gemm_items_avx2(const Plan& p, int64_t i0, int64_t i1, bool vnni);
-// AMX-INT8 (Intel): any weight type, groups of a multiple of 64 (Gp % 64 == 0), activations quantized with
+// AMX-INT8 (Intel; only when cpu_caps().amx_int8): any weight type, groups of a multiple of 64 (Gp % 64 == 0), activations quantized with
 // QuantArgs::rowmajor (16-row blocks of 16x64-byte tiles), row chunks (Plan::mchunk) a multiple of 16
-bool amx_usable();
-bool amx_eligible(const Plan& p);
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1);
 
 // ---- per row tile arguments of a micro-kernel call
@@ -147,17 +146,10 @@ inline float act_scale(uint32_t amax_bits) {
   return s == 0.f ? 1.f : s;
 }
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16; float f; __builtin_memcpy(&f, &u, 4); return f;
-}
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u; __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-float f16_to_f32(uint16_t h);
-uint16_t f32_to_f16(float f);
+using hf_w4::bf16_bits_to_f32;
+using hf_w4::f16_bits_to_f32;
+using hf_w4::f32_to_bf16_bits;
+using hf_w4::f32_to_f16_bits;
 
 // The driver shared by all ISAs: T provides MR, tile(const TileArgs&), decode(src, dst, nq2),
 // store_rows(...). Instantiated in each ISA's .cpp (the driver itself needs no special ISA).
@@ -182,9 +174,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
     uint8_t* dec = decode ? (uint8_t*)thread_scratch(2, (size_t)kc * NR) : nullptr;
     // Up to 8 row tiles (T::kFusedDecode) the first tile decodes the block on the fly and stores it for the others,
     // rather than a decode pass before the tiles: the decode's loads and stores then overlap that tile's dot
-    // products. AVX-512 VNNI, W4A8 g128, 2 threads, cold, medians of 5 interleaved rounds, ms, pass / fused:
-    // 4096x4096 M=8 0.582 / 0.548, M=16 0.764 / 0.703, M=32 1.137 / 1.102, M=40 1.475 / 1.374, M=48 1.588 / 1.558,
-    // M=64 1.815 / 1.893, M=256 6.41 / 6.66; 11008x4096 M=16 1.935 / 1.844, M=64 4.69 / 4.92.
+    // products (5-8 % faster up to 8 tiles, slower beyond).
     const bool fuse = decode && T::kFusedDecode && ntiles <= 8;
     const int64_t bpk = g.wtype == W_INT8 ? NR : NR / 2;  // weight bytes per packed k
     for (int64_t k0 = 0; k0 < Kp; k0 += kc) {
@@ -233,10 +223,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
           a.stream = single || (t == 0 && g.wtype == W_INT8);  // the first tile pulls the block from memory
           // with several row tiles each prefetches its share of the next block into L2, so the memory stream keeps
           // going while the tiles compute on this one (otherwise it waits for the next decode / first tile).
-          // AVX-512 VNNI, 4096x4096, 2 threads, cold, medians of 5 interleaved rounds, ms, without / with: W4A8 g128
-          // M=8 0.663 / 0.596, M=16 0.838 / 0.767, M=32 1.200 / 1.125, M=48 1.602 / 1.500 (11008x4096 M=16 2.166 /
-          // 2.011), M=64 1.92 / 1.83, M=256 level; W8A8 level (its first tile streams the block). Two blocks ahead
-          // instead of one: M=16 0.787.
+          // (W4A8: 5-10 % faster at M = 8-48; W8A8 level, its first tile streams the block)
           a.pfn = single ? 0 : (nlines * (t + 1)) / ntiles - (nlines * t) / ntiles;
           a.pf = a.pfn ? nxt + 64 * ((nlines * t) / ntiles) : nullptr;
           T::tile(a);

@@ -1,4 +1,4 @@
-// hf_w4 int8 kernel: ISA detection, repacking, and the portable C++ path (always compiled and tested).
+// hf_w4 int8 kernel: repacking and the portable C++ path (always compiled and tested).
 // No torch headers.
 #include <cfloat>
 #include <cmath>
@@ -6,52 +6,13 @@
 #include <cstring>
 #include <memory>
 
-#include "aligned_buf.h"
+#include "common/aligned_buf.h"
 #include "int8_gemm.h"
-#include "isa.h"
 
 namespace hf_w4_int8 {
 
 // ------------------------------------------------------------------------------------------------
-// ISA
-
-static bool has_avx512() {
-#if defined(__x86_64__) || defined(__i386__)
-  return HF_W4_CPU_HAS_AVX512("avx512f") && HF_W4_CPU_HAS_AVX512("avx512bw") && HF_W4_CPU_HAS_AVX512("avx512vl") &&
-         HF_W4_CPU_HAS_AVX512("avx512dq") && HF_W4_CPU_HAS_AVX512("avx512vnni");
-#else
-  return false;
-#endif
-}
-static bool has_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
-bool isa_available(int isa) {
-  switch (isa) {
-    case ISA_GENERIC: return true;
-    case ISA_AVX2: return has_avx2();
-    case ISA_AVXVNNI:
-#if defined(__x86_64__) || defined(__i386__)
-      return has_avx2() && __builtin_cpu_supports("avxvnni");
-#else
-      return false;
-#endif
-    case ISA_AVX512: return has_avx512();
-  }
-  return false;
-}
-
-int best_isa() {
-  if (isa_available(ISA_AVX512)) return ISA_AVX512;
-  if (isa_available(ISA_AVXVNNI)) return ISA_AVXVNNI;
-  if (isa_available(ISA_AVX2)) return ISA_AVX2;
-  return ISA_GENERIC;
-}
+// ISA (detection and HF_W4_ISA: common/cpu_features.h)
 
 const char* isa_name(int isa) {
   switch (isa) {
@@ -61,27 +22,6 @@ const char* isa_name(int isa) {
     case ISA_AVX512: return "avx512";
   }
   return "?";
-}
-
-int resolve_isa(int requested) {
-  static const int best = best_isa();
-  if (requested < 0) {
-    // env HF_W4_ISA caps the choice (same names as the other hf_w4 CPU kernels): avx512 | avx2 | generic;
-    // "avx2" means AVX2 with AVX-VNNI when the CPU has it. "avxvnni" / "avx2novnni" are accepted too.
-    const char* e = std::getenv("HF_W4_ISA");
-    if (!e || !*e || std::strcmp(e, "auto") == 0) return best;
-    int cap;
-    if (!std::strcmp(e, "avx512")) cap = ISA_AVX512;
-    else if (!std::strcmp(e, "avx2") || !std::strcmp(e, "avxvnni")) cap = ISA_AVXVNNI;
-    else if (!std::strcmp(e, "avx2novnni")) cap = ISA_AVX2;
-    else if (!std::strcmp(e, "generic")) cap = ISA_GENERIC;
-    else return -100;
-    for (int i = cap; i > 0; --i)
-      if (isa_available(i)) return i;
-    return ISA_GENERIC;
-  }
-  if (requested > ISA_AVX512 || !isa_available(requested)) return -1 - requested;
-  return requested;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -139,11 +79,9 @@ void repack_int8_panels(const Geometry& g, const int8_t* w, int64_t s0, int64_t 
   }
 }
 
-void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int64_t s1, int pack_dim,
-                        const int* slots, const int64_t* perm, uint8_t* out, int64_t p0, int64_t p1) {
+void repack_int4_panels(const Geometry& g, const hf_w4::QCodes& qc, const int64_t* perm, uint8_t* out, int64_t p0,
+                        int64_t p1) {
   const int64_t nq2 = g.Kp / 8;
-  int sh[8];
-  for (int j = 0; j < 8; ++j) sh[j] = 4 * slots[j];
   std::unique_ptr<int64_t[]> col(new int64_t[g.Kp]);
   bool identity = true;
   for (int64_t kp = 0; kp < g.Kp; ++kp) {
@@ -159,29 +97,21 @@ void repack_int4_panels(const Geometry& g, const int32_t* codes, int64_t s0, int
         for (int64_t q2 = 0; q2 < nq2; ++q2) std::memset(o + q2 * 256 + nl * 4, 0, 4);
         continue;
       }
-      if (pack_dim == 0 && identity) {
-        // fast path: word c of row n holds k = 8c..8c+7 = exactly quad pair c
-        const uint32_t* wr = (const uint32_t*)(codes + n * s0);
+      if (qc.pack_k && identity) {
+        // fast path: word q2 of row n holds k = 8q2..8q2+7 = exactly quad pair q2
         for (int64_t q2 = 0; q2 < nq2; ++q2) {
-          const uint32_t wd = wr[q2 * s1];
+          const uint32_t wd = qc.canonical(qc.word(n, 8 * q2));
           uint8_t* ob = o + q2 * 256 + nl * 4;
-          for (int kk = 0; kk < 4; ++kk)
-            ob[kk] = (uint8_t)(((wd >> sh[kk]) & 15u) | (((wd >> sh[4 + kk]) & 15u) << 4));
+          for (int kk = 0; kk < 4; ++kk) ob[kk] = (uint8_t)(((wd >> (4 * kk)) & 15u) | (((wd >> (16 + 4 * kk)) & 15u) << 4));
         }
         continue;
       }
       for (int64_t q2 = 0; q2 < nq2; ++q2) {
         uint8_t* ob = o + q2 * 256 + nl * 4;
         for (int kk = 0; kk < 4; ++kk) {
-          uint32_t v[2];
-          for (int h = 0; h < 2; ++h) {
-            const int64_t c = col[q2 * 8 + h * 4 + kk];
-            if (c < 0) { v[h] = 0; continue; }
-            uint32_t wd;
-            if (pack_dim == 0) wd = (uint32_t)codes[n * s0 + (c / 8) * s1], v[h] = (wd >> sh[c % 8]) & 15u;
-            else wd = (uint32_t)codes[(n / 8) * s0 + c * s1], v[h] = (wd >> sh[n % 8]) & 15u;
-          }
-          ob[kk] = (uint8_t)(v[0] | (v[1] << 4));
+          const int64_t c0 = col[q2 * 8 + kk], c1 = col[q2 * 8 + 4 + kk];
+          const uint32_t v0 = c0 < 0 ? 0 : qc.at(n, c0), v1 = c1 < 0 ? 0 : qc.at(n, c1);
+          ob[kk] = (uint8_t)(v0 | (v1 << 4));
         }
       }
     }
@@ -226,54 +156,12 @@ void repack_scales(const Geometry& g, const float* s, int64_t lds, const float* 
 }
 
 // ------------------------------------------------------------------------------------------------
-// half precision (portable)
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-  if (e == 0) {
-    if (m == 0) u = sign;
-    else {  // subnormal
-      int sh = 0;
-      while (!(m & 0x400)) { m <<= 1; ++sh; }
-      m &= 0x3ff;
-      u = sign | ((uint32_t)(127 - 15 + 1 - sh) << 23) | (m << 13);
-    }
-  } else if (e == 31) {
-    u = sign | 0x7f800000u | (m << 13);
-  } else {
-    u = sign | ((e + 127 - 15) << 23) | (m << 13);
-  }
-  float f; std::memcpy(&f, &u, 4); return f;
-}
-
-uint16_t f32_to_f16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00;
-  if (a >= 0x477ff000u) return sign | 0x7c00;  // rounds to inf
-  if (a < 0x38800000u) {  // subnormal or zero in fp16
-    if (a < 0x33000000u) return sign;  // < 2^-25 -> 0 (2^-25 exactly ties to even 0)
-    const uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000;
-    const int shift = 126 - (int)e;  // value = m * 2^(e-150); fp16 subnormal unit 2^-24 -> m >> (126 - e)
-    uint32_t r = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1))) ++r;
-    return sign | (uint16_t)r;
-  }
-  uint32_t r = a - 0x38000000u;  // rebias exponent (127-15)<<23
-  r += 0xfffu + ((r >> 13) & 1u);
-  return sign | (uint16_t)(r >> 13);
-}
-
-// ------------------------------------------------------------------------------------------------
 // activation quantization (portable)
 
 static inline float load_x(const void* x, int t, int64_t i) {
   if (t == OUT_F32) return ((const float*)x)[i];
-  if (t == OUT_BF16) return bf16_to_f32(((const uint16_t*)x)[i]);
-  return f16_to_f32(((const uint16_t*)x)[i]);
+  if (t == OUT_BF16) return bf16_bits_to_f32(((const uint16_t*)x)[i]);
+  return f16_bits_to_f32(((const uint16_t*)x)[i]);
 }
 
 void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
@@ -390,8 +278,8 @@ struct GenericT {
         float v = cf[r * NR + n] * sx;
         if (bias) v += bias[n];
         if (ot == OUT_F32) ((float*)out)[r * ldo + n] = v;
-        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16(v);
-        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16(v);
+        else if (ot == OUT_BF16) ((uint16_t*)out)[r * ldo + n] = f32_to_bf16_bits(v);
+        else ((uint16_t*)out)[r * ldo + n] = f32_to_f16_bits(v);
       }
     }
   }

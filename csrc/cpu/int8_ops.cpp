@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "int8_gemm.h"
-#include "isa.h"
-#include "torch_checks.h"
+#include "common/cpu_features.h"
+#include "common/torch_checks.h"
 
 namespace {
 using namespace hf_w4_int8;
@@ -30,23 +30,26 @@ int dtype_code(c10::ScalarType t) {
   TORCH_CHECK(false, "hf_w4 int8 kernel: activations must be float32, bfloat16 or float16, got ", t);
 }
 
-// isa "" = auto (env HF_W4_ISA caps it); "avx512" | "avx2" (AVX2 + AVX-VNNI when present) | "avxvnni" |
-// "avx2novnni" (AVX2, vpdpbusd emulated) | "generic" force a path (an error when the CPU lacks it)
+// The kernel variant for an isa argument: the shared level names ("" / auto reads HF_W4_ISA; common/cpu_features.h),
+// or one of this family's variants by name: "avxvnni" (AVX2 + AVX-VNNI), "avx2novnni" (AVX2 with vpdpbusd
+// emulated); a variant this CPU lacks is an error.
 int check_isa(c10::string_view isa_sv) {
   const std::string isa(isa_sv);
-  int req = -1;
-  if (isa.empty() || isa == "auto") req = -1;
-  else if (isa == "avx512") req = ISA_AVX512;
-  else if (isa == "avxvnni") req = ISA_AVXVNNI;
-  else if (isa == "avx2") req = isa_available(ISA_AVXVNNI) ? ISA_AVXVNNI : ISA_AVX2;
-  else if (isa == "avx2novnni") req = ISA_AVX2;
-  else if (isa == "generic") req = ISA_GENERIC;
-  else TORCH_CHECK(false, "hf_w4 int8 kernel: isa must be one of '', auto, avx512, avx2, avxvnni, avx2novnni, "
-                   "generic; got '", isa, "'");
-  const int r = resolve_isa(req);
-  TORCH_CHECK(r != -100, "hf_w4 int8 kernel: HF_W4_ISA must be one of auto, avx512, avx2, avxvnni, avx2novnni, generic");
-  TORCH_CHECK(r >= 0, "hf_w4 int8 kernel: ISA '", isa_name(-1 - r), "' is not available on this CPU");
-  return r;
+  const hf_w4::CpuCaps& caps = hf_w4::cpu_caps();
+  if (isa == "avxvnni" || isa == "avx2novnni") {
+    const bool vnni = isa == "avxvnni";
+    TORCH_CHECK(caps.avx2 && (!vnni || caps.avx_vnni), "hf_w4 int8 kernel: isa='", isa, "' is not available: this "
+                "CPU has ", caps.describe());
+    return vnni ? ISA_AVXVNNI : ISA_AVX2;
+  }
+  TORCH_CHECK(hf_w4::parse_isa(isa.c_str()) >= 0, "hf_w4 int8 kernel: isa='", isa, "' is not an ISA name; use auto, "
+              "avx512, avx2, generic, or one of this kernel's variants avxvnni, avx2novnni, amx");
+  switch (hf_w4::checked_isa(isa.c_str(), "hf_w4 int8 kernel")) {
+    case hf_w4::CpuIsa::avx512: return ISA_AVX512;
+    case hf_w4::CpuIsa::avx2: return caps.avx_vnni ? ISA_AVXVNNI : ISA_AVX2;
+    case hf_w4::CpuIsa::generic: break;
+  }
+  return ISA_GENERIC;
 }
 
 const int64_t* perm_ptr(const std::optional<at::Tensor>& perm, int64_t k, at::Tensor& keep) {
@@ -130,10 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
                   slots[i]);
       sl[i] = (int)slots[i];
     }
-    const int32_t* c = codes.data_ptr<int32_t>();
-    const int64_t s0 = codes.stride(0), s1 = codes.stride(1);
+    const hf_w4::QCodes qc(codes.data_ptr<int32_t>(), codes.stride(0), codes.stride(1), pack_dim == 0, sl);
     at::parallel_for(0, g.P, 1, [&](int64_t b, int64_t e) {
-      repack_int4_panels(g, c, s0, s1, (int)pack_dim, sl, pp, out.data_ptr<uint8_t>(), b, e);
+      repack_int4_panels(g, qc, pp, out.data_ptr<uint8_t>(), b, e);
     });
   }
   repack_scales(g, s.data_ptr<float>(), g.G, z.defined() ? z.data_ptr<float>() : nullptr, g.G,
@@ -207,7 +209,8 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // "amx": AMX-INT8 wherever the layer allows it (groups of a multiple of 64 columns); "" (auto): AMX from the
   // measured M threshold below when the CPU and OS allow it (HF_W4_AMX=0 turns it off)
   const bool want_amx = std::string(isa_req) == "amx";
-  TORCH_CHECK(!want_amx || amx_usable(), "hf_w4 int8 kernel: AMX-INT8 is not available (CPU or OS)");
+  TORCH_CHECK(!want_amx || hf_w4::cpu_caps().amx_int8, "hf_w4 int8 kernel: isa='amx' is not available: this CPU "
+              "(or OS) has ", hf_w4::cpu_caps().describe());
   const int isa = check_isa(want_amx ? c10::string_view("avx512") : isa_req);
   const int wt = wtype_of(std::string(weight_type));
   check_group(group_size, k, "hf_w4 int8 gemm");
@@ -241,17 +244,10 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   at::Tensor out = at::empty({M, n}, x2.options());
   if (M == 0 || n == 0) return out.reshape(os);
   const bool auto_isa = isa_req.empty() || std::string(isa_req) == "auto";
-  static const bool amx_off = hf_w4::env_switched_off("HF_W4_AMX");  // read once, as the W4A16 op does
-  // AMX-INT8 from a measured M on (K = N = 4096, 2 threads, hot weights, medians, ms, AMX vs AVX-512 VNNI; with
-  // the 8 KiB B slices of row chunks <= 32 rows, see AMX_KC_SMALL):
-  //   int4 (W4A8 g128): M=4 0.234 vs 0.179, M=8 0.259 vs 0.257, M=12 0.292 vs 0.314, M=16 0.299 vs 0.295 (tie)
-  //   int8 (W8A8):      M=4 0.354 vs 0.322, M=8 0.363 vs 0.377, M=12 0.379 vs 0.432, M=16 0.394 vs 0.568,
-  //                     M=24 0.489 vs 0.733
-  // (before the small slices AMX only paid from M = 32 for int8 weights: 32 KiB slices pushed the tile loads to L2)
-  const int64_t amx_min_m = 8;
-  const bool amx_ok = isa == ISA_AVX512 &&
-                      (want_amx || (auto_isa && M >= amx_min_m && !amx_off)) &&
-                      g.Gp % 64 == 0 && amx_usable();
+  // AMX-INT8 from M = 8 for both weight types (docs/cpu-kernels.md, "M crossovers"); HF_W4_AMX=0 turns it off
+  constexpr int64_t amx_min_m = 8;
+  const bool amx_ok = isa == ISA_AVX512 && (want_amx || (auto_isa && M >= amx_min_m && hf_w4::amx_allowed())) &&
+                      g.Gp % 64 == 0 && hf_w4::cpu_caps().amx_int8;
   ActQ a = quantize(x2, pp, g, act_group, isa, amx_ok);
 
   Plan p;
@@ -260,8 +256,7 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   p.scales = scales.data_ptr<float>(); p.zeros = has_z ? zeros->data_ptr<int32_t>() : nullptr;
   p.zconst = wt == W_INT8 ? 128 : 8;
   p.M = M; p.A = a.A.data_ptr<int8_t>(); p.asum = a.asum.data_ptr<int32_t>(); p.ascale = a.ascale.data_ptr<float>();
-  p.act_group = act_group && g.G > 1;
-  if (act_group && g.G == 1) p.act_group = false;  // one group = per token
+  p.act_group = act_group && g.G > 1;  // one group = per token
   p.out = out.data_ptr(); p.out_type = ot; p.ldo = n;
   p.bias = b.defined() ? b.data_ptr<float>() : nullptr;
   // schedule: work item = (row chunk, 64-column panel); row chunks only for large M or few panels

@@ -19,11 +19,30 @@
 #pragma once
 #include <cstdint>
 
+#include "common/dispatch.h"
+
 namespace hf_w4 {
 
 constexpr int W4_NP = 32;  // panel width (output columns)
 
 enum W4Mode : int { W4_SYM = 0, W4_ASYM = 1, W4_NVFP4 = 2 };
+
+// f(IntC<MODE>{}) for a run-time weight mode: one kernel template per mode.
+template <class F>
+__attribute__((always_inline)) inline void with_mode(int mode, F&& f) {
+  if (mode == W4_NVFP4) f(IntC<W4_NVFP4>{});
+  else if (mode == W4_ASYM) f(IntC<W4_ASYM>{});
+  else f(IntC<W4_SYM>{});
+}
+
+// The value a 4-bit code stands for before its scale (the kernels' lookup tables are built from this):
+// symmetric int4 code - 8, asymmetric int4 the code (its zero acts through zero * scale), NVFP4 e2m1 (bit 3 = sign).
+inline constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+constexpr float w4_code_value(int mode, int code) {
+  return mode == W4_NVFP4 ? kE2M1[code & 15] : mode == W4_SYM ? static_cast<float>((code & 15) - 8)
+                                                                : static_cast<float>(code & 15);
+}
 enum W4DType : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 struct W4Gemm {
@@ -66,9 +85,7 @@ void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1);
 // generic / avx2: fp32 activations x [M][K] (already permuted), xsum fp32 [M][G] (asym only)
 void w4a16_fused_generic(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
-// avx512: fp32 activations as above, xsum only for asym. (A bf16 vdpbf16ps formulation was tried and
-// dropped: on the project machine, an AVX-512 + AMX Xeon VM, vdpbf16ps measured 1.0 ns per instruction and
-// 3.7 ns latency vs 0.24 / 1.9 ns for vfmadd231ps, so it was no faster at M=1 and 1.5x slower at M=2..16.)
+// avx512: fp32 activations as above, xsum only for asym (fp32 FMA: faster here than a vdpbf16ps formulation)
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1);
 
 // avx512 + VNNI, 16-bit activations: x quantized per (row, block of ag k) to int16 with a power-of-two scale
@@ -82,10 +99,10 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
                             float* xs, int32_t* xd);
 constexpr int kNvFoldD = 4;
 constexpr int64_t kNvFoldL1 = 2147483647 / (12 * 15 << kNvFoldD);
-// NVFP4 decodes its codes with vpermb where the CPU has AVX512-VBMI (HF_W4_VBMI=0 in the environment: with vpermw,
-// as without VBMI); the results are bit-identical. With activation blocks ag > 16 (w4a16_i16_nvfp4_folded(M) says
-// when; x quantized with l1max = kNvFoldL1) NVFP4 runs with its block scales folded into the int16 weights.
-bool w4a16_i16_nvfp4_folded(int64_t M);
+// NVFP4 decodes its codes with vpermb where w4a16_vbmi_enabled() (AVX512-VBMI, and HF_W4_VBMI=0 not set; else
+// vpermw, bit-identical). With activation blocks ag > 16 (x quantized with l1max = kNvFoldL1) NVFP4 runs with its
+// block scales folded into the int16 weights (w4a16_path.h, i16_block, says when).
+bool w4a16_vbmi_enabled();
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);
 // the same in portable C++ (any ISA) and AVX2 (ag a multiple of 16; the kernel: vpmaddwd + vpaddd)
@@ -100,16 +117,17 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // xa bf16 [ceil(M/16)][K/32][16 rows][32] (16-row blocks [mb0, mb1)), so that every A tile load reads 1 KiB of
 // contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB). Rows >= M are zeroed
 // only for M > kAmxSmallMaxM: the small-M kernels configure their A and C tiles with the real row count and never
-// read them. Call only after w4a16_amx_available() returned true (it also asks Linux for tile-data permission, once
-// per process).
+// read them. Call only when cpu_caps().amx_bf16 (common/cpu_features.h: the CPU has it and Linux granted the tile
+// data state).
 // Up to this M the AMX path streams the weights through L1 one 32-k step at a time (amx_small_*: at most two
 // 16-row blocks, tiles of the real row count); above it, blocks of panels are decoded once for all 16-row blocks.
 constexpr int64_t kAmxSmallMaxM = 32;
-bool w4a16_amx_available();
 void w4a16_amx_pack_a(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xa, int64_t mb0, int64_t mb1);
-// int4 with M <= kAmxSmallMaxM and groups of a multiple of 32 take the raw-code kernel, which needs xsum fp32 [M][G] of
-// the (bf16) activations for asymmetric weights (w4a16_amx_raw_ok says when); otherwise xsum is unused.
-bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M);
+// int4 with M <= kAmxSmallMaxM and groups of a multiple of 32 take the raw-code kernel (amx_raw_codes), which needs
+// xsum fp32 [M][G] of the (bf16) activations for asymmetric weights; otherwise xsum is unused.
+inline bool amx_raw_codes(int mode, int64_t gs, int64_t M) {
+  return M <= kAmxSmallMaxM && mode != W4_NVFP4 && gs % 32 == 0;
+}
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1);
 // NVFP4 when the CPU also has AVX512-FP16 (w4a16_amx_fp16_available; HF_W4_AMX_FP16=0 in the environment says
 // no): a cheaper decode with the block scales folded in (fp16 products moved into bf16 position, w * 2^-108), for
@@ -128,6 +146,5 @@ void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, 
 
 // helpers
 float fp8e4m3_to_f32(uint8_t b);
-extern const float kE2M1[16];
 
 }  // namespace hf_w4

@@ -1,6 +1,6 @@
 // hf_w4 W4A16: AMX-BF16 kernel for bf16 activations (Intel Sapphire Rapids and later). Raw pointers only, no
-// torch headers; only called after w4a16_amx_available() (CPUID + XCR0 + the Linux ARCH_REQ_XCOMP_PERM request
-// for tile data), so nothing here runs on other CPUs.
+// torch headers; only called when cpu_caps().amx_bf16 (CPUID + XCR0 + Linux's tile-data permission), so nothing
+// here runs on other CPUs.
 // Per 32-column panel and 16 k-pairs: the packed bytes are decoded to fp32 with the group scale (and zero)
 // folded in, rounded to bf16 straight into two VNNI-2 B tiles (16 k-pair rows x 16 columns x 2 k parities;
 // the packed layout's (column, parity) lanes are exactly that order, so no shuffles), and multiplied with a
@@ -12,29 +12,21 @@
 // 32-k step decoded into one of two L1 buffers while the tile products of the step before run on the other:
 // int4 groups of a multiple of 32 in amx_small_raw - raw codes, scales on the accumulators -, NVFP4 in
 // amx_small_nvfp4_fp16 (scales folded in through fp16 products, also the decoder of the blocked kernel for
-// NVFP4), the rest in amx_small_folded. With one buffer, decode and tiles
-// took turns: 2 threads, cold, 4096x4096, int4 M=16 ~0.61 -> ~0.58 ms, and with every line of the step
-// prefetched as well 0.51; NVFP4 M=16 0.85 -> 0.70.) Measured (1 thread, K=N=4096, hot, quiet minima, before
-// the 1024-k chunks): decode alone ~1.6-2 ms per call; tiles alone M=256 9.6 ms, M=1024 ~42 ms (~0.85 TFLOP/s;
-// oneDNN's dense bf16 ~0.95 TFLOP/s). Tried and dropped: 256-k decode chunks with the C tiles spilled to L1
-// (1.3-2x slower, on an older kernel; the 256-k sub-chunks of the tile loop decode nothing), whole-panel decode
-// per 128-row super-block (slower), row-strided A tile loads (x rows 8 KiB apart alias in L1: packed A makes
-// every tile load 1 KiB of contiguous memory).
+// NVFP4), the rest in amx_small_folded.) Activations are packed so that every A tile load reads 1 KiB of
+// contiguous memory (row-strided loads of x alias in L1). Measurements behind the block and step sizes:
+// docs/cpu-kernels.md, "Tuning notes".
+#include "common/cpu_features.h"
+#if HF_W4_X86
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#if defined(__linux__) && defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "amx_tiles.h"
-#include "isa.h"
+#include "common/amx_tiles.h"
+#include "common/cpu_features.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -48,32 +40,9 @@
 
 namespace hf_w4 {
 
-bool w4a16_amx_available() {
-  static const bool perm = [] {
-#if defined(__linux__) && defined(__x86_64__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG + XTILEDATA enabled by the OS
-    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide permission to use tile data
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return false;
-#endif
-  }();
-  return perm;
-}
-
 bool w4a16_amx_fp16_available() {
-#if HF_W4_FP16_DECODE && defined(__linux__) && defined(__x86_64__)
-  static const bool ok = [] {
-    if (env_switched_off("HF_W4_AMX_FP16")) return false;  // the fp32 decode (amx_small_folded) instead
-    unsigned a, b, c, d;
-    return w4a16_amx_available() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 23));  // AVX512-FP16
-  }();
+#if HF_W4_FP16_DECODE
+  static const bool ok = !env_switched_off("HF_W4_AMX_FP16") && cpu_caps().amx_bf16 && cpu_caps().avx512_fp16;
   return ok;
 #else
   return false;
@@ -116,8 +85,7 @@ struct FoldedDecoder {
   __m512i dupA, dupB;
   explicit FoldedDecoder(const W4Gemm& gg) : g(gg) {
     alignas(64) float lt[16];
-    for (int c = 0; c < 16; ++c)
-      lt[c] = MODE == W4_NVFP4 ? kE2M1[c] : MODE == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+    for (int c = 0; c < 16; ++c) lt[c] = w4_code_value(MODE, c);
     lut = _mm512_load_ps(lt);
     dupA = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
@@ -188,34 +156,20 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
   // Decode a block of NB panels x one K chunk of at most 2048 k (NB * KC * 64 bytes, 1 MiB, stays in L2) once,
   // then run every 32-row block of the (tile-packed) activations over it. With K > 2048 the C tiles are
   // spilled to a per-thread buffer between chunks (4 KiB per 32 rows x 32 columns per chunk - cheap); without
-  // the chunks, K = 11008 allowed only one panel per block and every panel re-read all of the activations
-  // (measured 11008x4096, 2 threads: 0.57-0.74x dense bf16 at M >= 64). The chunk was cut from 4096 k to 1024
-  // because the tile loads are what the AMX unit waits on here: a 32-row block's activations of one chunk
-  // (64 KiB instead of 256) are re-read by every panel of the block, and the shorter run loads faster (tile
-  // loop alone, 2 x 2 steps over a 1 MiB-block footprint: ~40 vs ~57 ns per TDP; 4096x4096 M=1024, 1 thread:
-  // 86 vs 115-126 ms, interleaved; 2 threads vs dense bf16 at M=256/1024 on 4096x4096 and 11008x4096:
-  // 1.06-1.23x vs 0.92-1.10x). 4-panel blocks measured no better. Chunks of 2048 k (8 panels: a 1 MiB block)
-  // measured no better then, but on a later, less loaded host they win in 13 of 16 interleaved pairs (2 threads,
-  // hot, ms, 2048 vs 1024 k; M = 256 / 1024): 2048x2048 0.98-1.01 / 3.64 vs 1.05-1.07 / 3.73-3.78, 4096x4096
-  // 3.86-3.88 / 14.31-14.78 vs 3.92-4.08 / 14.61-14.63, 11008x4096 10.44-10.70 / 37.2-38.8 vs 10.8-10.9 / 39.7-40.1,
-  // 4096x11008 10.6-13.2 / 36.6-37.4 vs 11.3-11.6 / 39.1-41.2 (dense bf16 1.03 / 3.54 and 4.39 / 14.77).
+  // the chunks, a large K allowed only one panel per block and every panel re-read all of the activations. The
+  // tile loads are what the AMX unit waits on here, so a chunk's activations (64 KiB per 32 rows at 2048 k) should
+  // stay close: 2048-k chunks measured best.
   const int64_t KCB = std::min<int64_t>(KB, 64);  // 32-k steps per chunk
   // Within a chunk a 32-row block walks 8 steps (256 k) over all NB panels before the next 8: its two A tiles
   // per step (16 KiB) are then read from L1 by every panel instead of from L2 by each in turn, for one C-tile
-  // spill and reload per panel per 8 steps. The 2 x 2 tile loop is bound by its tile loads (stand-alone,
-  // random bf16, 1 thread: ~10.2 ns per TDP with both operands from L2, ~9.2 with A from L1 after the spills;
-  // the products alone 5.2). Whole kernel, 2 threads, cold, 5 interleaved rounds, int4, ms, 64 vs 8 steps:
-  // 4096x4096 M=128 / 256 / 1024 2.51 / 4.12 / 14.1 -> 2.36 / 4.00 / 13.7, 11008x4096 M=256 / 1024
-  // 11.2 / 39.5 -> 10.4 / 36.4, 2048x2048 M=1024 3.56 -> 3.41, no shape or M (40 - 1024) slower; 4 and 16
-  // steps measured slower than 8 (16: the A tiles of the two row blocks, KB KiB apart, share L1 sets).
+  // spill and reload per panel per 8 steps. The 2 x 2 tile loop is bound by its tile loads; 8 steps measured
+  // 3-8 % faster than 64, and faster than 4 or 16 (16: the A tiles of the two row blocks share L1 sets).
   constexpr int64_t kAmxSubSteps = 8;
   const int64_t NB = std::max<int64_t>(1, std::min<int64_t>(8, (int64_t(1) << 20) / (KCB * 2048)));
-  // C tiles are spilled between sub-chunks; only across K chunks must every 32-row block keep its own (measured,
-  // 2048x2048 int4, one chunk, 7 interleaved rounds, ms, a slot per row block / one reused: M=1024 3.53-3.55 /
-  // 3.43-3.45, M=256 1.02-1.03 / 1.00-1.01; NVFP4 M=1024 level, 3.65 / 3.63)
+  // C tiles are spilled between sub-chunks; only across K chunks must every 32-row block keep its own (one
+  // reused slot is a few % faster)
   const bool spill = kAmxSubSteps < KB, chunked = KCB < KB;
-  // 64-byte aligned (AlignedBuf). A stand-alone copy of this tile loop with its buffers 16 bytes off
-  // ran 21 ns per TDP against 13 ns aligned; the whole kernel (1 thread, 4096x4096, M = 1024) 29.2 vs 30.3-31.5 ms.
+  // 64-byte aligned (AlignedBuf): tile loads of rows that straddle cache lines ran ~1.6x slower
   thread_local AlignedBuf<uint16_t> pbuf_s;
   thread_local AlignedBuf<float> cacc_s;
   uint16_t* const pbuf = pbuf_s.get(static_cast<size_t>(NB * KCB * 1024));
@@ -231,8 +185,7 @@ __attribute__((always_inline)) inline void amx_blocked(const W4Gemm& g, const De
         const uint16_t* a0 = xa + mb * KB * 512;
         const uint16_t* a1 = a0 + KB * 512;
         // the next 32-row block's activations of this chunk (2 x kn KiB) are prefetched into L2 while this
-        // one runs, spread evenly over the pe - pb panels x kn steps (measured: without it M=1024 varied
-        // 38-128 ms per call, 1 thread)
+        // one runs, spread evenly over the pe - pb panels x kn steps (without it the time per call varied 3x)
         const int64_t nmb = mb + 2 < MB ? mb + 2 : 0;
         const char* an0 = reinterpret_cast<const char*>(xa + (nmb * KB + k0) * 512);
         const char* an1 = an0 + KB * 1024;
@@ -276,11 +229,7 @@ void amx_impl(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0, int64_
 }
 
 // Prefetches the packed codes of the 32-k step kW4PrefetchBytes after qk into L1, all 8 of its cache lines, and
-// those kW4PrefetchFarBytes after it into L2. (Two of the 8 lines - what the small-M kernels prefetched before -
-// left the weight stream to the hardware prefetcher: 2 threads, cold, 4096x4096, ms, 2 vs 8 lines with the
-// double-buffered decode: int4 M=4 0.437 / 0.423, M=16 0.552 / 0.508, 2048x2048 M=4 0.126 / 0.108. The L2
-// prefetch, builds alternated twice, without / with: int4 M=8 0.505-0.506 / 0.449-0.457, M=16 0.544-0.548 /
-// 0.519-0.536, NVFP4 M=8 0.687-0.700 / 0.658-0.686, M=16 0.743-0.774 / 0.720-0.731.)
+// those kW4PrefetchFarBytes after it into L2 (fewer lines left the stream to the hardware prefetcher, ~10 % slower).
 // (always_inline: GCC 12 dropped these prefetches where a plain inline prefetch_step was inlined into the
 // always_inline loops below - no prefetch instruction left in the binary)
 __attribute__((always_inline)) inline void prefetch_step(const uint8_t* qk) {
@@ -324,17 +273,7 @@ inline bool small_tile_config(int64_t M) {
 // small M, so this is ~3x cheaper per weight than decoding with the scales folded in. A / C tiles have M (<= 16)
 // rows per block. With M <= 16 the groups alternate between two tile sets (A 0 / C 3, 4 and A 7 / C 5, 6) and a
 // group's C tiles are stored and scaled only once the next group's first tile products are issued: a tile store
-// right behind the products it reads waits for them, once per group. Measured (variants switched at run time in
-// one process, bit-identical results): 1 thread, hot, 2048x2048, us, M = 2 / 4 / 8 / 16: 117 / 125 / 135 / 171 ->
-// 105 / 110 / 124 / 153; 2 threads, cold, medians of 7 interleaved rounds, ms, M = 4 / 8 / 16: 4096x4096 0.388 /
-// 0.424 / 0.485 -> 0.373 / 0.399 / 0.460, 11008x4096 0.975 / 1.064 / 1.221 -> 0.945 / 1.016 / 1.208. (An early
-// version of the alternation, on the kernel before double buffering, had measured slower: M=1 0.94 vs 0.60-0.67
-// ms.) (Tried: NVFP4 here with 16-k steps and 8-row B tiles
-// - slower than a stacked kernel (two 16-k blocks per tile product) for M <= 8 and than the scale-folding decode
-// for M > 8, e.g. M=16 1.9 vs 1.7 ms, M=32 3.3 vs 2.6 ms against amx_impl, before amx_small_folded. The
-// activation rows prefetched into L1 2 or 3 steps ahead: no difference, M = 4 / 16 / 32 on all four bench shapes,
-// 2 threads, cold, variants interleaved in one process, 7 rounds - a 3-10% "gain" seen with the variants in
-// separate processes run in a fixed order was that order.)
+// right behind the products it reads waits for them, once per group (2-10 % faster, bit-identical).
 template <int MODE>
 void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, KB = K / 32, steps = g.gs / 32;
@@ -405,14 +344,11 @@ void amx_small_raw(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64
 // the streaming loop of amx_small_raw, each 32-k step decoded with the scales folded in (FoldedDecoder) into an
 // L1 buffer right before its tile products, and the C tiles accumulating over all of K (no per-group flush).
 // amx_impl's blocking (decode a 512 KiB block once and re-read it from L2 for every 32-row block) only pays
-// with several row blocks; with one, its B tile loads come from L2 instead of L1. Measured (2 threads, K=N=4096,
-// cold, medians, three alternating runs, ms; small_folded / amx_impl): NVFP4 M=9 1.22-1.60 / 1.84-2.12,
-// M=16 1.28-1.64 / 1.92-2.19, M=32 1.53-2.29 / 2.86-3.57; int4 g16 M=8 1.32-1.56 / 1.97-2.08, M=32 2.17-2.47 /
-// 2.95-3.07. (NVFP4 takes amx_small_nvfp4_fp16 where the CPU has AVX512-FP16.)
+// with several row blocks; with one, its B tile loads come from L2 instead of L1 (streaming: ~1.5x faster up to
+// M = 32). (NVFP4 takes amx_small_nvfp4_fp16 where the CPU has AVX512-FP16.)
 // The streaming loop shared by amx_small_folded and amx_small_nvfp4_fp16: decode(p, kb, dst) writes the two B tiles
 // of 32-k step kb / 16 of panel p; rowe (or null) holds per row the exponent the epilogue multiplies back in.
-// Always inlined, so that the fp16 kernel (compiled for AVX512-FP16) inlines its decoder too (called instead, the
-// decoder cost ~5%: 2048x2048 NVFP4 M=16, 1 thread, hot, 0.232-0.236 vs 0.223 ms).
+// Always inlined, so that the fp16 kernel (compiled for AVX512-FP16) inlines its decoder too (a call costs ~5 %).
 template <class Decoder>
 __attribute__((always_inline)) inline void amx_small_stream(const W4Gemm& g, const Decoder& decode, const uint16_t* xa,
                                                             const float* rowe, int64_t M, int64_t p0, int64_t p1) {
@@ -458,10 +394,7 @@ void amx_small_folded(const W4Gemm& g, const uint16_t* xa, int64_t M, int64_t p0
 // by 2^a_m per row (w4a16_amx_pack_a_pow2: max |x| -> ~2^100), so that no product of the tile multiply falls
 // below fp32's normal range, and the epilogue multiplies row m by 2^(108 - a_m) (vscalefps): bit for bit the
 // result of the unscaled product (power-of-two factors commute with every rounding while nothing under- or
-// overflows). Needs AVX512-FP16 (every AMX CPU so far has it; checked at run time). (Tried: the e2m1 LUT as
-// vpermb on the codes shifted into the high byte - e2m1's fp16 patterns have a zero low byte - instead of vpermw:
-// bit-identical and no faster, 2 threads, cold, 3 alternations, NVFP4 M = 8 / 16 / 64 on 2048^2 and 11008x4096;
-// 1 thread, hot, 2048^2 M=16 206 / 225 vs 206 / 207 us.)
+// overflows). Needs AVX512-FP16 (every AMX CPU so far has it; checked at run time).
 struct Fp16NvDecoder {
   const W4Gemm& g;
   __m512i lut, dlo, dhi;
@@ -577,26 +510,33 @@ void w4a16_amx_nvfp4_fp16(const W4Gemm& g, const uint16_t* xa, const float* rowe
 }
 
 // xa: bf16 activations packed by w4a16_amx_pack_a, K % 32 == 0; xsum fp32 [M][G] for asym int4 on the raw-code
-// kernel (w4a16_amx_raw_ok)
-bool w4a16_amx_raw_ok(const W4Gemm& g, int64_t M) {
-  return M <= kAmxSmallMaxM && g.mode != W4_NVFP4 && g.gs % 32 == 0;
-}
-
+// kernel (amx_raw_codes)
 void w4a16_fused_amx(const W4Gemm& g, const uint16_t* xa, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
-  if (w4a16_amx_raw_ok(g, M)) {
-    if (g.mode == W4_ASYM) amx_small_raw<W4_ASYM>(g, xa, xsum, M, p0, p1);
-    else amx_small_raw<W4_SYM>(g, xa, xsum, M, p0, p1);
-  } else if (M <= kAmxSmallMaxM) {
-    if (g.mode == W4_NVFP4) amx_small_folded<W4_NVFP4>(g, xa, M, p0, p1);
-    else if (g.mode == W4_ASYM) amx_small_folded<W4_ASYM>(g, xa, M, p0, p1);
-    else amx_small_folded<W4_SYM>(g, xa, M, p0, p1);
-  } else if (g.mode == W4_NVFP4) {
-    amx_impl<W4_NVFP4>(g, xa, M, p0, p1);
-  } else if (g.mode == W4_ASYM) {
-    amx_impl<W4_ASYM>(g, xa, M, p0, p1);
-  } else {
-    amx_impl<W4_SYM>(g, xa, M, p0, p1);
-  }
+  with_mode(g.mode, [&](auto m) {
+    constexpr int MODE = decltype(m)::value;
+    if constexpr (MODE != W4_NVFP4) {
+      if (amx_raw_codes(MODE, g.gs, M)) return amx_small_raw<MODE>(g, xa, xsum, M, p0, p1);
+    }
+    if (M <= kAmxSmallMaxM) amx_small_folded<MODE>(g, xa, M, p0, p1);
+    else amx_impl<MODE>(g, xa, M, p0, p1);
+  });
 }
 
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AMX)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_amx() {
+  throw std::runtime_error("hf_w4: the AMX W4A16 kernels are not built for this CPU architecture");
+}
+bool w4a16_amx_fp16_available() { return false; }
+void w4a16_amx_pack_a(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) { no_amx(); }
+void w4a16_amx_pack_a_pow2(const uint16_t*, int64_t, int64_t, uint16_t*, float*, int64_t, int64_t) { no_amx(); }
+void w4a16_amx_nvfp4_fp16(const W4Gemm&, const uint16_t*, const float*, int64_t, int64_t, int64_t) { no_amx(); }
+void w4a16_fused_amx(const W4Gemm&, const uint16_t*, const float*, int64_t, int64_t, int64_t) { no_amx(); }
+}  // namespace hf_w4
+#endif

@@ -1,5 +1,7 @@
-// hf_w4 W4A16: AVX2 + FMA kernels (fp32 activations). Raw pointers only, no torch headers; only
-// called after a run-time check (isa.h).
+// hf_w4 W4A16: AVX2 kernels (the avx2 level of common/cpu_features.h). Raw pointers only, no torch headers; only
+// called when that level was chosen at run time. Design: docs/cpu-kernels.md.
+#include "common/cpu_features.h"
+#if HF_W4_X86
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -129,12 +131,7 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
       const float* x0 = x + r0 * K;
       const float* xs0 = xsum ? xsum + r0 * G : nullptr;
       float* rr = res.data() + r0 * W4_NP;
-      switch (mr) {
-        case 1: panel_rows<1, MODE>(g, q, x0, K, xs0, p, rr); break;
-        case 2: panel_rows<2, MODE>(g, q, x0, K, xs0, p, rr); break;
-        case 3: panel_rows<3, MODE>(g, q, x0, K, xs0, p, rr); break;
-        default: panel_rows<4, MODE>(g, q, x0, K, xs0, p, rr); break;
-      }
+      with_rows<1, 2, 3, 4>(mr, [&](auto r) { panel_rows<decltype(r)::value, MODE>(g, q, x0, K, xs0, p, rr); });
     }
     for (int64_t m = 0; m < M; ++m) w4a16_store_row(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
   }
@@ -199,10 +196,8 @@ void panel_row_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq, const f
 // k-pair instead of 14 (vpmovsxbw needs a vextracti128 per upper half). |weight| <= 12 * 256 and |xq| <= 2^15
 // keep a 16-k block's int32 sum below 2^31. Activation blocks of ag = 128 (64, 32, 16: the largest dividing K,
 // the precision of int4 g128's blocks): each 16-k block adds (int32 dot) x block scale into f, and the activation
-// scale multiplies once per activation block. On the AVX2-only EPYC (Zen 3), 2 threads, cold, 4096x4096, NVFP4 /
-// int4 g128 time from one run each (the box is noisy): the per-16-k scheme with vpmovsxbw decode and ag = 16, M=1
-// 1.48, M=4 1.59, M=16 1.52; this one M=1 0.99-1.09, M=4 1.08-1.27, M=16 1.06-1.29 (1 thread, hot, medians of
-// 40: M=1 1.6-1.7 - decode bound - and M=4/16 1.07-1.09). The unpacks take 4 columns from each
+// scale multiplies once per activation block (about a third faster than a per-16-k scheme with vpmovsxbw on Zen 3).
+// The unpacks take 4 columns from each
 // 128-bit lane, so accumulator t holds columns {8h' + 4(t & 1) + 16(t >> 1) + i, i < 4} of both halves h' = 0, 1,
 // i.e. a permutation of the columns; the block scales are permuted alike (one vpermd of the 32 scale bytes) and
 // the results are put back in column order when stored. The fp8 scales decode through the fp16 bit pattern b << 7
@@ -216,9 +211,8 @@ inline const __m256i& nvfp4_lut_i16() {  // 2 x e2m1 as int8, in both 128-bit la
   return lut;
 }
 
-// the 32 fp8 block scales of one 16-k block in accumulator order (4 x 8, see above), value / 256. (These take ~15 % of
-// the one-row NVFP4 time: 1 thread, hot, 4096x4096, 0.59-0.63 ms, 0.51-0.52 with one decode per activation block.
-// Normal e4m3 bytes straight into fp32 bits, (b << 20) + (112 << 23), instead of vcvtph2ps was no faster.)
+// the 32 fp8 block scales of one 16-k block in accumulator order (4 x 8, see above), value / 256 (vcvtph2ps of the
+// fp16 bit pattern; building fp32 bits directly was no faster)
 inline void nvfp4_block_scales(const uint8_t* sp, __m256 (&sc)[4]) {
   const __m256i sb = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)),
                                                  _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7));
@@ -258,18 +252,13 @@ inline void nvfp4_store_cols(const float* f, float* res) {
 // accumulators, 4 weight vectors and the float sums did not fit in 16 registers: GCC kept two accumulators on the
 // stack, a store-to-load chain through memory in every k-pair (K=N=4096, 1 thread, hot: M=2 took 2.4x the time
 // of M=1). Here a tile of two rows holds 8 accumulators, 4 weights and one broadcast; the integer sums go to
-// memory once per chunk (int4) or 16-k block (NVFP4), the float sums once per activation block. Zen 3 (AVX2 EPYC),
-// int4 g128 4096x4096: 1 thread, hot, M=4 1.94 -> 1.49 ms, M=16 7.7 -> 4.75 ms; 2 threads, cold, vs torch int4pack
-// in the same run: M=4 1.56-1.60x -> 1.91-1.94x, M=16 1.58-1.82x -> 2.49x (4096^2 and 11008x4096), NVFP4 / int4
-// time at M=16 1.13-1.38 -> 1.11-1.13. The tiles are bound by the vector integer ports: vpmaddwd + vpaddd per 16
-// multiply-adds, about 5.3 cycles per k-pair of a two-row tile measured in isolation (24 MACs per cycle).
+// memory once per chunk (int4) or 16-k block (NVFP4), the float sums once per activation block (Zen 3: M=16 ~1.6x
+// faster than one row at a time). The tiles are bound by the vector integer ports: vpmaddwd + vpaddd per 16
+// multiply-adds.
 constexpr int64_t kI16Rows = 24;        // rows per pass over a panel: the decode is repeated once per pass
 constexpr int64_t kI16ChunkPairs = 64;  // k-pairs decoded at a time: 8 KiB of int16 weights
 
-// From 4 rows of a pass: the fold costs ~0.3 decodes per chunk. Zen 3, 2 threads, cold, NVFP4 / int4 time, three
-// interleaved runs, per-16-k conversion -> folded: 4096x4096 M=3 1.15-1.47 -> 1.34-1.37, M=4 1.28-1.33 -> 1.30-1.31
-// (one 1.68), M=8 1.21-1.35 -> 1.19-1.25, M=16 1.04-1.36 -> 1.10-1.23, M=64 1.01-1.20 -> 1.00-1.10, M=256 1.14-1.30 ->
-// 0.88-1.04; 11008x4096 M=8 1.21-1.22 -> 1.11-1.16, M=16 1.18-1.36 -> 0.94-1.15, M=64 1.20-1.25 -> 1.04-1.05.
+// From 4 rows of a pass the fold pays for itself (~0.3 decodes per chunk; 5-20 % faster on Zen 3 from M = 8).
 constexpr int64_t kNvFoldMinRows = 4;
 
 // ---- NVFP4 with the block scales folded into the buffered int16 weights (as the AVX-512 VBMI kernel,
@@ -291,9 +280,7 @@ struct NvFoldAvx2 {
 // as 480, folded or not, as the AVX-512 kernel does.) Then per block: the exponent, 2^(ee - eref) by vpshufb, the
 // mantissa, and one vpmaddubsw per 16 columns multiplies them into 16-bit words, which unpack (doubled, x 128) into the
 // accumulator order; the scale rows are first put in the order columns 0-7, 16-23 | 8-15, 24-31 (one vpermq), in which
-// unpack{lo,hi} give that order. ~25 ops per block instead of ~58 with per-lane variable shifts (vpsllvd). Zen 3, 1
-// thread, hot, 4096x4096, NVFP4 / int4 time, three interleaved runs: M=4 1.24-1.29 -> 1.18-1.24, M=16 1.05-1.07 ->
-// 1.01-1.05 (with no fold work at all, M=4 would be ~1.1-1.15).
+// unpack{lo,hi} give that order. ~25 ops per block instead of ~58 with per-lane variable shifts (vpsllvd).
 inline __m256i nvfp4_scale_rows(const uint8_t* sp) {  // columns 0-7, 16-23 | 8-15, 24-31
   return _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)), _MM_SHUFFLE(3, 1, 2, 0));
 }
@@ -417,8 +404,7 @@ inline void tile_i16<2>(const int16_t* wb, int64_t np, const int16_t* x, int64_t
 // when more rows follow (st != 0), also written to wb for them. Two rows, or the first tile of more: 22 (int4) / 25
 // (NVFP4) vector ops per k-pair instead of the separate decode's 6 / 9 plus 4 stores, then 16. In assembly with
 // fixed registers (sums ymm0-7, weights 8-11, activations 12-13, product 14, nibble mask / LUT 15): as operands
-// the 8 sums alone count 16 of the 30 that GCC allows. Zen 3, 1 thread, hot, int4 g128 4096x4096, against the
-// separate decode in the same run: M=2 0.65 / 1.00-1.08 ms, M=4 1.29 / 1.61, M=16 4.83 / 5.18.
+// the 8 sums alone count 16 of the 30 that GCC allows (Zen 3: M=2 ~1.5x faster than the separate decode).
 #define HF_W4_ZERO8                                                                             \
   "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"     \
   "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"     \
@@ -531,9 +517,8 @@ inline void tile2_decode_nvfp4(const uint8_t* qq, int64_t nsub, const __m256i* m
   }
 }
 
-// NVFP4, one row: nsub 16-k blocks; block s's int32 sums stored to acc + 32 s (sums ymm0-3). In C++, GCC 12 unrolled
-// the 8 k-pairs, re-associated the sums into a tree and kept the products on the stack (Zen 3, 1 thread, hot,
-// 4096x4096: 0.68 ms against int4's 0.40).
+// NVFP4, one row: nsub 16-k blocks; block s's int32 sums stored to acc + 32 s (sums ymm0-3). In assembly: GCC 12
+// unrolled the C++ version, re-associated the sums into a tree and kept the products on the stack (1.7x slower).
 inline void tile1_decode_nvfp4(const uint8_t* qq, int64_t nsub, const int16_t* x, int32_t* acc) {
   if (nsub <= 0) return;
   const uint8_t* end = qq + nsub * 8 * W4_NP;
@@ -779,14 +764,9 @@ void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs, const i
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (scales, zero points and the global scale folded in).
 // Per k-pair and 16-byte half h (columns 8h..8h+7 and 16+8h..): a vpshufb splits the bytes by k parity, the
 // nibbles widen to 32-bit lanes = 8 consecutive columns of one k-row. Partial last panels take the portable code.
-inline void store8_bf16x2(uint16_t* d, __m256 a, __m256 b) {  // 16 fp32 -> bf16 (round to nearest even)
-  auto rnd = [](__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  };
-  const __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(rnd(a), rnd(b)), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), pk);
+inline void store8_bf16x2(uint16_t* d, __m256 a, __m256 b) {  // 16 fp32 -> bf16 (common/convert.h)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d), f32x8_to_bf16(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 8), f32x8_to_bf16(b));
 }
 
 template <int MODE>
@@ -855,17 +835,13 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
 
 // xsum [M][G] is required for int4 (sym and asym) on this path
 void w4a16_fused_avx2(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
-  else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
-  else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_impl<decltype(m)::value>(g, x, M, xsum, p0, p1); });
 }
 
 // large-M dequantization on AVX2 machines uses the portable code (it is amortised over M rows)
 void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1);
-  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1);
-  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_i16_impl<decltype(m)::value>(g, xq, xs, xd, M, ag, p0, p1); });
 }
 
 // as w4a16_quant_x16_generic (the same numbers: round half to even, saturated, the sums of the saturated values),
@@ -924,9 +900,7 @@ bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_
 }
 
 void w4a16_dequant_avx2(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
-  else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);
-  else dequant_impl<W4_SYM>(g, dst, dst_dtype, ldd, p0, p1);
+  with_mode(g.mode, [&](auto m) { dequant_impl<decltype(m)::value>(g, dst, dst_dtype, ldd, p0, p1); });
 }
 
 }  // namespace hf_w4
@@ -967,3 +941,23 @@ void w4a16_repack_awq_codes_avx2(const W4Repack& r, int64_t p0, int64_t p1) {
   }
 }
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AVX2)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_avx2() {
+  throw std::runtime_error("hf_w4: the AVX2 W4A16 kernels are not built for this CPU architecture");
+}
+void w4a16_fused_avx2(const W4Gemm&, const float*, int64_t, const float*, int64_t, int64_t) { no_avx2(); }
+void w4a16_fused_i16_avx2(const W4Gemm&, const int16_t*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t) { no_avx2(); }
+bool w4a16_quant_x16_avx2(const void*, int, int64_t, int64_t, int64_t, int64_t, int16_t*, float*, int32_t*) {
+  no_avx2();
+}
+void w4a16_dequant_avx2(const W4Gemm&, void*, int, int64_t, int64_t, int64_t) { no_avx2(); }
+void w4a16_repack_awq_codes_avx2(const W4Repack&, int64_t, int64_t) { no_avx2(); }
+}  // namespace hf_w4
+#endif

@@ -1,17 +1,20 @@
-// hf_w4 W4A16: AVX-512 (F/BW/VL + BF16) kernels. Raw pointers only, no torch headers; only called
-// after a run-time check (isa.h), so nothing here leaks into code run on other CPUs.
-#ifndef HF_W4_EMULATE_AVX512  // (the test-only emulated build: simd512.h)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,bmi2")
+// hf_w4 W4A16: AVX-512 kernels (the avx512 level of common/cpu_features.h: F/BW/VL/DQ/VNNI; VBMI where the CPU has
+// it). Raw pointers only, no torch headers; only called when that level was chosen at run time. Design:
+// docs/cpu-kernels.md.
+#include "common/cpu_features.h"
+#if HF_W4_X86
+#ifndef HF_W4_EMULATE_AVX512  // (the test-only emulated build: common/simd512.h)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi2")
 #endif
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include "simd512.h"
+#include "common/simd512.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
+#include "common/cpu_features.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_avx512_util.h"
@@ -21,8 +24,7 @@ namespace {
 
 __m512 f32_lut(int mode) {
   alignas(64) float t[16];
-  for (int c = 0; c < 16; ++c)
-    t[c] = mode == W4_NVFP4 ? kE2M1[c] : mode == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+  for (int c = 0; c < 16; ++c) t[c] = w4_code_value(mode, c);
   return _mm512_load_ps(t);
 }
 
@@ -30,9 +32,8 @@ __m512 f32_lut(int mode) {
 // Per k-pair, 32 bytes -> 4 vectors of 16 fp32 weights whose lanes are (column, k parity):
 //   v0: bytes 0..15 low nibbles  = columns 0..7,   v1: bytes 0..15 high nibbles  = columns 16..23,
 //   v2: bytes 16..31 low nibbles = columns 8..15,  v3: bytes 16..31 high nibbles = columns 24..31;
-// the activation pair (x[k], x[k+1]) is broadcast as 64 bits, fp32 FMA. (On the project machine, an AVX-512
-// Xeon VM, fp32 FMA has 4x the instruction throughput of vdpbf16ps - measured 0.24 vs 1.0 ns per instruction -
-// so fp32 FMA with a vpermps LUT beats a bf16-dot formulation.) Group partial sums are scaled once per group;
+// the activation pair (x[k], x[k+1]) is broadcast as 64 bits, fp32 FMA (faster than a vdpbf16ps formulation:
+// docs/cpu-kernels.md, "Tuning notes"). Group partial sums are scaled once per group;
 // the pair lanes are folded at the end.
 template <int MR, int MODE>
 void panel_rows(const W4Gemm& g, const uint8_t* q, const float* x, int64_t ldx, const float* xsum, int64_t p,
@@ -131,14 +132,7 @@ void fused_impl(const W4Gemm& g, const float* x, int64_t M, const float* xsum, i
       const float* x0 = x + r0 * K;
       const float* xs0 = xsum ? xsum + r0 * G : nullptr;
       float* rr = res.data() + r0 * W4_NP;
-      switch (mr) {
-        case 1: panel_rows<1, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 2: panel_rows<2, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 3: panel_rows<3, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 4: panel_rows<4, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        case 5: panel_rows<5, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-        default: panel_rows<6, MODE>(g, q, x0, K, xs0, p, lut, rr); break;
-      }
+      with_rows<1, 2, 3, 4, 5, 6>(mr, [&](auto r) { panel_rows<decltype(r)::value, MODE>(g, q, x0, K, xs0, p, lut, rr); });
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, m, p * W4_NP, res.data() + m * W4_NP, W4_NP);
   }
@@ -185,7 +179,7 @@ struct WordDecode {
 // ports. In asm the accumulators are the outputs a0-7 / b0-7 (columns 0..15 / 16..31 of rows 0-7), zeroed first;
 // the flushes stay in C++. Same integers: bit-identical. A row step: broadcast the row's k-pair of x (byte offset
 // XOFF + k from the row's pointer) and two vpdpwssd with the pair's weights in zmm WL / WH.
-// The emulated build (simd512.h) cannot run asm: there the C++ loops stand in (same integers).
+// The emulated build (common/simd512.h) cannot run asm: there the C++ loops stand in (same integers).
 #ifndef HF_W4_EMULATE_AVX512
 constexpr bool kAsmLoops = true;
 #else
@@ -237,11 +231,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     const uint8_t* qq = q + b * pairs * W4_NP;
     const int16_t* xb = xq + b * ag;
     if constexpr (kAsmLoops && MR == 8 && MODE != W4_NVFP4) {
-      // int4, 8 rows: the loop in inline asm (see HF_I16_ROW). k = 4 x the k-pair index: the byte offset into each
-      // row of x, and (scaled by 8) into the codes. Measured on the AMX Xeon VM with AMX off, ms, C++ / asm: hot
-      // 1024x1024 1 thread M=16 0.105 / 0.103, M=32 0.210 / 0.201; cold, 2 threads, builds alternated 3 times,
-      // 4096x4096 M=16 0.940-0.945 / 0.906-0.922, M=32 1.73-1.83 / 1.70-1.72, M=8 level. About 5 G vpdpwssd per
-      // second per core: with the decode's 6 uops per 32 vpdpwssd the two vector ports are nearly full.
+      // int4, 8 rows: the loop in inline asm (see HF_I16_ROW), a few % faster than the compiler's. k = 4 x the
+      // k-pair index: the byte offset into each row of x, and (scaled by 8) into the codes.
       static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
       int64_t k = 0;
       asm volatile(
@@ -335,13 +326,8 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
 // Rows go in blocks of 8 (int4) or 6 (NVFP4; 8 when exactly 8 are left), the rest in blocks of 4 and one of 1-3: each
 // block decodes the panel's codes once, so larger blocks spread the decode over more rows. 8 rows keep their fp32 sums
 // in res (the int32 sums fill the registers; int4 flushes once per group); NVFP4 flushes every 16 k, so its 6-row
-// blocks keep them in registers. Bit-identical to blocks of 4. Measured on the AMX Xeon VM with AMX off (the path a CPU
-// without AMX takes at every M), 2 threads, cold, medians of 5 interleaved rounds, ms, blocks of 4 / these: 4096x4096
-// int4 M=8 0.640 / 0.512, M=16 1.087 / 0.920, M=32 2.034 / 1.784, M=64 3.860 / 3.456; NVFP4 M=9 0.965 / 0.829, M=16
-// 1.532 / 1.325, M=64 5.534 / 4.932; 11008x4096 int4 M=8 1.705 / 1.340, M=16 2.907 / 2.481; M = 5 and 7 unchanged.
-// (NVFP4 in blocks of 8 with the sums in res: M=16 1.384, M=24 2.086 against 1.325 / 2.031 with 6 in registers, but M=8
-// 0.659 against 0.747 as 6 + 2 and 0.775 as 4 + 4; int4 in blocks of 6: M=16 0.990 against 0.920; int4 in blocks of 10
-// / 12: M=24 1.342 / 1.562 against 1.342 - register spills.) On a CPU with AMX this path takes only M <= 4 (i16_max_m).
+// blocks keep them in registers. Bit-identical to blocks of 4, 10-20 % faster from M = 8 (docs/cpu-kernels.md,
+// "Tuning notes"); larger blocks spill registers. On a CPU with AMX this path takes only M <= 4.
 template <int MODE, class Decode>
 __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const int16_t* xq, const float* xs,
                                                           const int32_t* xd, int64_t M, int64_t ag, int64_t p0,
@@ -357,6 +343,8 @@ __attribute__((always_inline)) inline void fused_i16_impl(const W4Gemm& g, const
       const int16_t* x0 = xq + r0 * K;
       const float* s0 = xs + r0 * nab;
       const int32_t* d0 = xd + r0 * nab;
+      // a switch, not with_rows: a lambda gets the target options of the place it is written, outside the VBMI
+      // region, and the VBMI caller's decoder would then be called out of line for every k-pair (~1.4x slower)
       switch (mr) {
         case 8: panel_rows_i16<8, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
         case 6: panel_rows_i16<6, MODE>(g, q, x0, K, s0, d0, ag, p, decode, res); break;
@@ -385,10 +373,7 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
     const int16_t* wf = w + fi * pf * 2 * W4_NP;
     const int16_t* xf = x + 2 * fi * pf;
     if constexpr (kAsmLoops && MR == 8) {
-      // in inline asm, as panel_rows_i16's int4 loop. NVFP4 folded, measured on the AMX Xeon VM with AMX off, ms,
-      // C++ / asm: hot 1024x1024 1 thread M=16 0.134 / 0.127, M=32 0.241 / 0.224; cold, 2 threads, 5 interleaved
-      // rounds, 4096x4096 M=16 1.178 / 1.120, M=64 3.994 / 3.743, 11008x4096 M=16 3.022 / 2.879, 2048x2048 M=16
-      // 0.308 / 0.295.
+      // in inline asm, as panel_rows_i16's int4 loop (a few % faster than the compiler's)
       int64_t k = 0;
       const int16_t* wp = wf;
       asm volatile(
@@ -454,13 +439,8 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
 #endif
 // NVFP4 with AVX512-VBMI: the e2m1 LUT applied to the bytes (vpermb, one uop for 64 codes; index bits 5:0 and the
 // LUT repeats every 16, so no masks - the word shift's stray bits land in bits 4..7 of the low bytes), then the
-// results sign-extended to words, instead of a vpermw per 32 codes (two uops on the project machine, the AMX Xeon
-// VM: 8 independent chains, cycles per op, vpermw 0.94, vpermw + vpsrlw 1.9, vpermw + vpmovzxbw 1.9; vpermb 0.96,
-// vpermb + vpsrlw 1.0). Per two k-pairs: vpsrlw, 2 vpermb, 2 extracts and 4 vpmovsxbw = 9 uops instead of 12.
-// Same integers: bit-identical results. Measured (2 threads, ms, vpermw / vpermb decoder): hot 2048x2048 M=1
-// 0.058 / 0.051, M=2 0.075 / 0.067, M=4 0.106 / 0.096; cold (medians of 5 interleaved rounds) 4096x4096 M=1
-// 0.346 / 0.336, M=4 0.462 / 0.457, 11008x4096 M=1 0.932 / 0.909, M=4 1.267 / 1.240, 2048x2048 M=4 0.129 / 0.124.
-// (Prefetch distances other than the shared ones - 2 / 4 / 16 KiB near, 16 / 64 KiB far - were no better.)
+// results sign-extended to words, instead of a vpermw per 32 codes (two uops on Intel): 9 uops per two k-pairs
+// instead of 12, a few % faster at M = 1-4. Same integers: bit-identical results.
 // operator() is plain inline: GCC inlines it once fused_i16_impl sits in the VBMI caller (always_inline would be
 // checked against fused_i16_impl's own target first and fail).
 struct ByteLutDecode {
@@ -495,14 +475,9 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
 // block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
-// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows. Measured on the AMX Xeon VM
-// with AMX off (the path of a CPU without AMX), 2 threads, cold, medians of 5-7 interleaved rounds, ms, per-16-k kernel
-// / this one / int4 g128: 4096x4096 M=16 1.418 / 1.096 / 0.936, M=32 2.753 / 1.852-2.007 / 1.724-1.769; 11008x4096 M=16
-// 2.871 / 2.442 (int4), M=32 4.846 / 4.744 (int4); M = 5 0.639 / 0.648, M = 6 0.561 / 0.717, M = 8 0.724 / 0.732 - the
-// per-16-k kernel keeps M <= 8 (6-row blocks, no buffer). (Tried: L = 64 instead of 128, M=16 1.27x int4 instead of
-// 1.11x hot; the fold in 32-bit lanes instead of bytes, ~2x the instructions; the decode per row block instead of the
-// buffer, M=16 145 vs 123 us hot on 1024x1024. Prefetching the scales 1 KiB ahead: M=16 1.164 -> 1.096 cold.) What is
-// left against int4 is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
+// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
+// per-16-k kernel at M = 16-32, no faster up to M = 8, which keeps the per-16-k kernel). What is left against int4
+// is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -628,13 +603,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
         const int16_t* x0 = xq + r0 * K + blk * L;
         const float* s0 = xs + r0 * nab + blk;
         float* o0 = o + r0 * W4_NP;
-        switch (mr) {
-          case 8: rows_i16<8>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 4: rows_i16<4>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 3: rows_i16<3>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          case 2: rows_i16<2>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-          default: rows_i16<1>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); break;
-        }
+        with_rows<8, 4, 3, 2, 1>(mr, [&](auto r) { rows_i16<decltype(r)::value>(w, pf, nf, x0, K, f.cs[0], s0, nab, o0); });
       }
     }
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, c0 + m, p * W4_NP, o + m * W4_NP, W4_NP);
@@ -643,6 +612,11 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
 #pragma GCC pop_options
 
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (k-rows, columns contiguous), scales folded
+// 32 fp32 (lo: columns 0..15, hi: 16..31) -> 32 bf16 (common/convert.h rounding; needs no AVX512-BF16)
+inline __m512i bf16x32(__m512 lo, __m512 hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(f32x16_to_bf16(lo)), f32x16_to_bf16(hi), 1);
+}
+
 template <int MODE>
 void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
   const int64_t K = g.K, G = g.G, kpg = g.gs / 2;
@@ -700,8 +674,8 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
         const __m512 e1 = _mm512_permutex2var_ps(v[1], ev, v[3]), o1 = _mm512_permutex2var_ps(v[1], od, v[3]);
         if (bf) {
           uint16_t* d = static_cast<uint16_t*>(dst) + 2 * j * ldd + col0;
-          _mm512_mask_storeu_epi16(d, mkb, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-          _mm512_mask_storeu_epi16(d + ldd, mkb, (__m512i)_mm512_cvtne2ps_pbh(o1, o0));
+          _mm512_mask_storeu_epi16(d, mkb, bf16x32(e0, e1));
+          _mm512_mask_storeu_epi16(d + ldd, mkb, bf16x32(o0, o1));
         } else {
           float* d = static_cast<float*>(dst) + 2 * j * ldd + col0;
           _mm512_mask_storeu_ps(d, mk0, e0);
@@ -718,30 +692,24 @@ void dequant_impl(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_
 }  // namespace
 
 void w4a16_fused_avx512(const W4Gemm& g, const float* x, int64_t M, const float* xsum, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) fused_impl<W4_NVFP4>(g, x, M, xsum, p0, p1);
-  else if (g.mode == W4_ASYM) fused_impl<W4_ASYM>(g, x, M, xsum, p0, p1);
-  else fused_impl<W4_SYM>(g, x, M, xsum, p0, p1);
+  with_mode(g.mode, [&](auto m) { fused_impl<decltype(m)::value>(g, x, M, xsum, p0, p1); });
 }
 
 // HF_W4_VBMI=0 in the environment (read once): the vpermw kernel, as on AVX-512 CPUs without VBMI (Cooper Lake)
-static bool vbmi_enabled() {
-  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && HF_W4_CPU_HAS_AVX512("avx512vbmi");
+bool w4a16_vbmi_enabled() {
+  static const bool vbmi = !env_switched_off("HF_W4_VBMI") && cpu_caps().avx512_vbmi;
   return vbmi;
 }
 
-bool w4a16_i16_nvfp4_folded(int64_t M) { return M > 8 && vbmi_enabled(); }
-
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1) {
-  const bool vbmi = vbmi_enabled();
-  if (g.mode == W4_NVFP4 && ag > 16) {  // w4a16_i16_nvfp4_folded
+  const bool vbmi = w4a16_vbmi_enabled();
+  if (g.mode == W4_NVFP4 && ag > 16) {  // block scales folded in (w4a16_path.h, i16_block)
     fused_i16_nvfp4_folded_vbmi(g, xq, xs, M, ag, p0, p1);
     return;
   }
   if (g.mode == W4_NVFP4 && vbmi) fused_i16_nvfp4_vbmi(g, xq, xs, xd, M, ag, p0, p1);
-  else if (g.mode == W4_NVFP4) fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_NVFP4>());
-  else if (g.mode == W4_ASYM) fused_i16_impl<W4_ASYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_ASYM>());
-  else fused_i16_impl<W4_SYM>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<W4_SYM>());
+  else with_mode(g.mode, [&](auto m) { fused_i16_impl<decltype(m)::value>(g, xq, xs, xd, M, ag, p0, p1, WordDecode<decltype(m)::value>()); });
 }
 
 bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
@@ -786,9 +754,27 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
 }
 
 void w4a16_dequant_avx512(const W4Gemm& g, void* dst, int dst_dtype, int64_t ldd, int64_t p0, int64_t p1) {
-  if (g.mode == W4_NVFP4) dequant_impl<W4_NVFP4>(g, dst, dst_dtype, ldd, p0, p1);
-  else if (g.mode == W4_ASYM) dequant_impl<W4_ASYM>(g, dst, dst_dtype, ldd, p0, p1);
-  else dequant_impl<W4_SYM>(g, dst, dst_dtype, ldd, p0, p1);
+  with_mode(g.mode, [&](auto m) { dequant_impl<decltype(m)::value>(g, dst, dst_dtype, ldd, p0, p1); });
 }
 
 }  // namespace hf_w4
+
+#else  // not x86: stubs, never called (cpu_caps() reports no AVX-512)
+#include <stdexcept>
+
+#include "w4a16.h"
+
+namespace hf_w4 {
+[[noreturn]] static void no_avx512() {
+  throw std::runtime_error("hf_w4: the AVX-512 W4A16 kernels are not built for this CPU architecture");
+}
+void w4a16_fused_avx512(const W4Gemm&, const float*, int64_t, const float*, int64_t, int64_t) { no_avx512(); }
+bool w4a16_vbmi_enabled() { return false; }
+void w4a16_fused_i16_avx512(const W4Gemm&, const int16_t*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                            int64_t) { no_avx512(); }
+bool w4a16_quant_x16_avx512(const void*, int, int64_t, int64_t, int64_t, int64_t, int16_t*, float*, int32_t*) {
+  no_avx512();
+}
+void w4a16_dequant_avx512(const W4Gemm&, void*, int, int64_t, int64_t, int64_t) { no_avx512(); }
+}  // namespace hf_w4
+#endif

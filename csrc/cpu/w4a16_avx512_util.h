@@ -1,10 +1,10 @@
 // AVX-512 helpers shared by the W4A16 AVX-512 and AMX kernels. Include only from files compiled with an AVX-512
 // `#pragma GCC target`; internal linkage, so each file keeps its own copy.
 #pragma once
-#include "simd512.h"
+#include "common/simd512.h"
 #include <cstdint>
 
-#include "avx512_convert.h"
+#include "common/convert.h"
 #include "w4a16.h"
 
 namespace hf_w4 {

@@ -5,13 +5,11 @@
 #include <cstring>
 #include <vector>
 
+#include "common/qweight_codes.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 
 namespace hf_w4 {
-
-const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 float fp8e4m3_to_f32(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
@@ -30,8 +28,7 @@ struct Fp8Table {
 const Fp8Table& fp8_table() { static const Fp8Table t; return t; }
 
 void lut_for(int mode, float lut[16]) {
-  for (int c = 0; c < 16; ++c)
-    lut[c] = mode == W4_NVFP4 ? kE2M1[c] : mode == W4_SYM ? static_cast<float>(c - 8) : static_cast<float>(c);
+  for (int c = 0; c < 16; ++c) lut[c] = w4_code_value(mode, c);
 }
 }  // namespace
 
@@ -104,9 +101,7 @@ bool w4a16_is_awq_slots(const int slots[8]) {
 void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
   const int64_t K = r.K, N = r.N, G = r.G;
   const int64_t KS = K + 64;  // row stride of the unpacked codes; the pad avoids 4 KiB set aliasing
-  bool seq = true;
-  int sh[8];
-  for (int j = 0; j < 8; ++j) { sh[j] = 4 * r.slots[j]; seq = seq && r.slots[j] == j; }
+  const QCodes qc(r.codes, r.cs0, r.cs1, r.pack_k, r.slots);
   const bool fast = r.pack_k && !r.perm;
   std::vector<uint8_t> tmp(r.pack_k && r.perm ? static_cast<size_t>(W4_NP) * KS : 0);   // unpacked codes [32][KS]
   std::vector<uint8_t> row(r.perm ? K : 0);
@@ -134,14 +129,9 @@ void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
             for (int w = 0; w < nw; ++w) buf[c][w] = static_cast<uint32_t>(src[w * r.cs1]);
           }
         }
-        if (!seq)
+        if (!qc.in_order)
           for (int c = 0; c < ncol; ++c)
-            for (int w = 0; w < nw; ++w) {
-              const uint32_t v = buf[c][w];
-              uint32_t o = 0;
-              for (int j = 0; j < 8; ++j) o |= ((v >> sh[j]) & 15u) << (4 * j);
-              buf[c][w] = o;
-            }
+            for (int w = 0; w < nw; ++w) buf[c][w] = qc.canonical(buf[c][w]);
         for (int w = 0; w < nw; ++w) {
           // column c (low nibble) and c+16 (high nibble) of k-pair b: bytes lo[c].b (k even), hi[c].b (k odd)
           uint32_t lo[16], hi[16];
@@ -162,10 +152,9 @@ void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
       // packed along K with an act-order permutation: unpack each column, gather, interleave
       std::memset(tmp.data(), pad, tmp.size());
       for (int c = 0; c < W4_NP && nb + c < N; ++c) {
-        const int32_t* src = r.codes + (nb + c) * r.cs0;
         for (int64_t w = 0; w < K / 8; ++w) {
-          const uint32_t v = static_cast<uint32_t>(src[w * r.cs1]);
-          for (int j = 0; j < 8; ++j) row[8 * w + j] = (v >> sh[j]) & 15;
+          const uint32_t v = qc.canonical(qc.word(nb + c, 8 * w));
+          for (int j = 0; j < 8; ++j) row[8 * w + j] = (v >> (4 * j)) & 15;
         }
         uint8_t* t = tmp.data() + c * KS;
         for (int64_t k = 0; k < K; ++k) t[k] = row[r.perm[k]];
@@ -205,12 +194,9 @@ void w4a16_repack_panels(const W4Repack& r, int64_t p0, int64_t p1) {
       };
       auto word = [&](int64_t rw0, int64_t nrw, int64_t rr, int64_t k) -> uint32_t {
         if (rr >= nrw) return pad * 0x11111111u;
-        uint32_t v = static_cast<uint32_t>(r.codes[(rw0 + rr) * r.cs0 + (r.perm ? r.perm[k] : k) * r.cs1]);
-        if (seq) return v;
+        const uint32_t v = qc.word(8 * (rw0 + rr), r.perm ? r.perm[k] : k);
         if (awq) return spread4(v & 0xFFFFu) | (spread4(v >> 16) << 4);
-        uint32_t o = 0;
-        for (int j = 0; j < 8; ++j) o |= ((v >> sh[j]) & 15u) << (4 * j);
-        return o;
+        return qc.canonical(v);
       };
       auto spread8 = [](uint32_t z) -> uint64_t {  // byte i -> byte 2i
         uint64_t v = z;

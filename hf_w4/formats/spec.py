@@ -77,7 +77,7 @@ class W4Spec:
         return " ".join(parts)
 
 
-def _match(pattern: str, name: str, cls_name: str = "Linear") -> bool:
+def matches(pattern: str, name: str, cls_name: str = "Linear") -> bool:
     """Does one config pattern select the module ``name`` (of class ``cls_name``)?
 
     Producers disagree on what an entry of an ignore / target list means, so each parser prefixes its entries with
@@ -125,7 +125,7 @@ class FormatConfig:
     """A parsed checkpoint config: default spec plus per-module rules.
 
     ``rules`` are tried in order: (patterns, spec-or-None); the first rule with a matching pattern (see
-    :func:`_match`) wins; ``None`` means "leave this module dense". ``default`` applies to any other Linear inside
+    :func:`matches`) wins; ``None`` means "leave this module dense". ``default`` applies to any other Linear inside
     ``blocks`` (None = everywhere except ``lm_head``). ``lm_head`` is only quantized when a rule or
     ``quantize_lm_head`` says so. ``block_modules`` (GPTQ ``modules_in_block_to_quantize``): a Linear inside the
     blocks that matches none of these patterns stays dense, whatever the rules say.
@@ -143,7 +143,7 @@ class FormatConfig:
         """Whether a rule, the block list or the block-module list names this module by its name (not by its class):
         which of a renamed module's two names (as stored, as the model calls it) the config uses."""
         by_name = [p for pats, _ in self.rules for p in pats] + list(self.block_modules or ())
-        return (any(not p.startswith("class:") and _match(p, name, "\0") for p in by_name)
+        return (any(not p.startswith("class:") and matches(p, name, "\0") for p in by_name)
                 or any(name == b or name.startswith(b + ".") for b in self.blocks or ()))
 
     def spec_for(self, name: str, cls_name: str = "Linear") -> Optional[W4Spec]:
@@ -152,10 +152,10 @@ class FormatConfig:
         # auto-round compare with a bare startswith, which only differs for names no producer writes
         in_blocks = self.blocks is None or any(name == b or name.startswith(b + ".") for b in self.blocks)
         if (self.block_modules is not None and in_blocks and not lm_head
-                and not any(_match(p, name, cls_name) for p in self.block_modules)):
+                and not any(matches(p, name, cls_name) for p in self.block_modules)):
             return None
         for patterns, spec in self.rules:
-            if any(_match(p, name, cls_name) for p in patterns):
+            if any(matches(p, name, cls_name) for p in patterns):
                 return spec
         if lm_head:
             return self.default if self.quantize_lm_head else None

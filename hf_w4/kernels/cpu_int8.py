@@ -1,19 +1,11 @@
 """cpu_int8: compiled CPU kernel for int8 activations (W8A8 and W4A8) with ``vpdpbusd``.
 
-Runs compressed-tensors ``int-quantized`` checkpoints (W8A8: int8 weights with per-channel scales; W4A8 as
-llm-compressor writes it: int4 values held one per int8, group scales) and, opt-in, every 4-bit int format
-(GPTQ, AWQ, AutoRound, compressed-tensors int4; any group size dividing K, asymmetric zero points, GPTQ
-act-order) with dynamically quantized activations: ``spec.act`` "int8_token" (per token) or "int8_group"
-(per token and weight group). Activations are quantized exactly as compressed-tensors does (scale =
-max|x|/127.5, round half to even, clamp to [-128, 127]); the integer dot products are exact, so the result
-equals the reference path (dequantized weight, fake-quantized activations, fp32 linear) up to fp32 rounding.
-
-``prepare`` repacks the layer once (C++) into 64-column panels in VNNI-4 order (int8 weights as u8 = w + 128;
-int4 as nibble pairs, including W4A8 int4-in-int8, which halves its bytes); ``apply`` calls
-``hf_w4::int8_gemm``, which quantizes the activations in C++ and picks the ISA at run time (AVX-512 VNNI,
-AVX2 + AVX-VNNI, AVX2 with an exact vpmaddwd emulation, portable C++; ``HF_W4_ISA`` caps it). On Intel CPUs with
-AMX-INT8 (and Linux granting the tile state), layers with groups of a multiple of 64 columns run on AMX tiles from
-M >= 8, the measured crossover for both weight types (bit-identical results; ``HF_W4_AMX=0`` turns it off).
+Runs compressed-tensors ``int-quantized`` checkpoints (W8A8; W4A8 with int4 values held one per int8) and, opt-in,
+every 4-bit int format with dynamically quantized activations (``spec.act`` "int8_token" or "int8_group"),
+quantized exactly as compressed-tensors does; the integer dot products are exact, so the result equals the reference
+path up to fp32 rounding. ``prepare`` repacks the layer once into 64-column VNNI-4 panels (``ops.int8_repack``);
+``apply`` calls ``hf_w4::int8_gemm`` (AVX-512 VNNI, AVX2 + AVX-VNNI, AVX2 with an exact emulation, portable C++;
+``HF_W4_ISA``; AMX-INT8 from M = 8 on Intel, ``HF_W4_AMX=0`` turns it off). Design: docs/cpu-kernels.md.
 """
 from __future__ import annotations
 

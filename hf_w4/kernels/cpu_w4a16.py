@@ -1,27 +1,11 @@
 """cpu_w4a16: compiled CPU kernel for int4 (GPTQ/AWQ/AutoRound/compressed-tensors) and NVFP4 weights with
 float activations (fp32 / bf16 / fp16).
 
-``prepare`` repacks the layer once into 32-column N-panels with K contiguous (two k per byte pair, nibble
-order chosen so that a zero-extension + and/shift gives bf16 VNNI-2 operands), per-group fp32 scales (NVFP4:
-fp8 block scales kept as bytes) and, for asymmetric int4, per-group zero*scale; GPTQ act-order becomes a K
-permutation of the activations. ``apply`` calls ``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time
-(AVX-512 BF16, AVX2, portable C++; ``HF_W4_ISA`` caps it) and the algorithm by M: for bf16 activations at small
-M (AVX-512 with AMX: up to 4, for int4 groups of a multiple of 32 up to 2 (groups of 128 or more), 3 (64) or 4 (32);
-32 without AMX; AVX2: up to 16), the activations become int16 per block with a power-of-two scale (exact for every
-element within 2^7 of its block's max) and meet the raw codes in vpdpwssd (AVX2: vpmaddwd), which streams the
-weights at memory speed; on CPUs with AMX-BF16, AMX tiles above that. Up to M = 32 the weights stream through an L1
-buffer one 32-k step at a time (int4 groups of a multiple of 32: code values straight into the tiles, scales on the
-accumulators; otherwise decoded with the scales folded in); for larger M, blocks of panels are decoded once with the
-scales folded in and every 32-row block runs over them. NVFP4 folds its block scales in through fp16 products moved
-into bf16 position where the CPU has AVX512-FP16 (fp32 otherwise). Otherwise (fp32 / fp16 activations) a fused
-dequantize-in-registers fp32-FMA kernel for small M and dequantize + GEMM (oneDNN / MKL) for large M. bf16
-activations at large M without AMX take whichever of the int16 kernel, dequantize + bf16 GEMM and dequantize + fp32
-GEMM is fastest on this CPU at the call's M: each is timed at two M once per process and weight type, and a straight
-line through the two timings predicts the rest (``hf_w4.ops.cpu_w4a16_info()`` shows the choice by M and the times;
-``HF_W4_LARGE_PATH`` sets one path). On the AMX Xeon with AMX turned off for us and for oneDNN, the int16 kernel (rows 8
-at a time; NVFP4 with its block scales folded in, decoded once per 32 rows) ran int4 2.6-3.3x and NVFP4 2.6-3.2x the
-dense bf16 GEMM from M = 64 on; capped to AVX2, the int16 kernel up to M ~ 70 (int4) / ~ 35 (NVFP4), then the fp32
-GEMM; with AMX, the bf16 GEMM. Crossovers measured in csrc/cpu/w4a16_torch.cpp.
+``prepare`` repacks the layer once into 32-column panels (``ops.cpu_w4a16_repack``); ``apply`` calls
+``hf_w4::cpu_w4a16_gemm``, which picks the ISA at run time (AVX-512, AVX2, portable C++; ``HF_W4_ISA``) and the path
+by fixed rules on M, weight type, group size and dtype (int16 activations x raw codes, AMX tiles, a fused fp32
+kernel, or dequantize + GEMM; ``ops.cpu_w4a16_path`` / ``ops.cpu_w4a16_info`` report it). Layouts, paths,
+crossovers and their measurements: docs/cpu-kernels.md.
 """
 from __future__ import annotations
 
@@ -45,10 +29,8 @@ class CpuW4A16Kernel(Kernel):
     WEIGHT_TYPES = frozenset({"int4", "nvfp4"})
     ACTIVATIONS = frozenset({"none"})
     DESCRIPTION = ("compiled CPU W4A16/NVFP4 kernel: bf16 activations as int16 blocks x raw codes (AVX-512 "
-                   "VNNI / AVX2) for small M, AMX-BF16 tiles on Intel from M = 3 (int4, groups of 128 or more), 4 "
-                   "(groups of 64) or 5; fused AVX-512 / AVX2 / portable fp32 decode for small M; large M without "
-                   "AMX: int16 kernel, dequantize + bf16 GEMM or + fp32 GEMM, whichever this CPU ran fastest at the "
-                   "call's M (timed at two M once per process and weight type)")
+                   "VNNI / AVX2), AMX-BF16 tiles on Intel, fused AVX-512 / AVX2 / portable fp32 decode for small M, "
+                   "dequantize + GEMM for large M; the path by fixed per-CPU-family rules (docs/cpu-kernels.md)")
 
     @classmethod
     def can_implement(cls, spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype):

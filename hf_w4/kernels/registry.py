@@ -9,11 +9,11 @@ a warning is logged once per reason set.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
+from .. import env
 from ..formats.spec import W4Spec
 from .base import Kernel
 from .reference import TorchReferenceKernel
@@ -55,16 +55,8 @@ def _load_builtin() -> None:
     _loaded = True
     register(TorchReferenceKernel)
     import importlib
-    for mod in ("cpu_w4a16", "cpu_int8", "zentorch"):
-        try:
-            importlib.import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as e:  # a kernel module not present in this build of hf_w4
-            if e.name != f"{__package__}.{mod}":
-                raise
-
-
-def _env_list(var: str) -> List[str]:
-    return [s.strip() for s in os.environ.get(var, "").split(",") if s.strip()]
+    for mod in ("cpu_w4a16", "cpu_int8", "zentorch"):   # each registers its kernel classes
+        importlib.import_module(f"{__package__}.{mod}")
 
 
 def select(spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtype,
@@ -72,10 +64,10 @@ def select(spec: W4Spec, n: int, k: int, device: torch.device, dtype: torch.dtyp
            ) -> Tuple[Type[Kernel], Dict[str, str]]:
     """Pick the best kernel for one layer. Returns (kernel class, {rejected kernel: reason})."""
     if force in (None, "auto"):
-        force = os.environ.get("HF_W4_KERNEL") or None
+        force = env.text("HF_W4_KERNEL") or None
     if force == "auto":
         force = None
-    deny = set(deny) | set(_env_list("HF_W4_DISABLED_KERNELS"))
+    deny = set(deny) | set(env.names("HF_W4_DISABLED_KERNELS"))
     for d in deny:  # a misspelt name would otherwise disable nothing, silently
         try:
             by_name(d)

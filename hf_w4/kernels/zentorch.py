@@ -15,13 +15,13 @@ Two kernel classes, because the two zentorch ops rank differently against hf_w4'
   activations, prepacked with ``zentorch_weight_prepack_for_dynamic_qlinear``) and W4A8 (symmetric int4, or
   compressed-tensors int4-in-int8, K/G a multiple of 4, bf16 activations). zentorch quantizes activations
   with its own rule, not compressed-tensors' (max|x|/127.5, round half to even): results differ from the
-  reference path by ~1 % of max |y| (measured in tests/test_zentorch.py), versus fp32 rounding for cpu_int8.
+  reference path by ~1 % of max |y| (measured in tests/kernels/test_zentorch.py), versus fp32 rounding for cpu_int8.
 
 Priorities come from the decode regime (M = 1..4, cold weights; ``python -m hf_w4.tools.bench --int8``): both classes
 rank below hf_w4's own kernels (see PRIORITY below), so they are used only when those cannot run a layer or are
 disabled (``disabled_kernels=["cpu_int8"]``) or forced (``kernel="zentorch_int8"``).
 
-Caveat (seen in tests/test_zentorch.py): ZenDNN caches reordered weights / zero-point compensation keyed by the
+Caveat (seen in tests/kernels/test_zentorch.py): ZenDNN caches reordered weights / zero-point compensation keyed by the
 weight's address; with the default in-place cache a tensor freed and another allocated at the same address gave
 stale results and NaN. hf_w4 sets ``ZENDNNL_MATMUL_WEIGHT_CACHE=0`` and ``ZENDNNL_ZP_COMP_CACHE=0`` (unless set)
 before importing zentorch; even then, results were only reliable while every prepared weight stayed alive, which
@@ -111,7 +111,7 @@ def zentorch_import_status() -> str:
     """'' when ``import zentorch`` works and has the ops used here (whatever the CPU), else why not."""
     # ZenDNN caches reordered weights keyed by their address, by default *in place* (it rewrites the caller's
     # buffer), plus zero-point compensation: a tensor freed and another allocated at the same address then
-    # reads the stale cache (wrong results / NaN seen in tests/test_zentorch.py). Off unless the user chose.
+    # reads the stale cache (wrong results / NaN seen in tests/kernels/test_zentorch.py). Off unless the user chose.
     for var in _ZENDNN_SAFE_ENV:
         os.environ.setdefault(var, "0")
     try:

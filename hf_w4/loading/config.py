@@ -31,18 +31,27 @@ LOADING_ATTRIBUTES: Dict[str, Any] = {"kernel": "auto", "disabled_kernels": (), 
                                       "compute_dtype": None, "dequantize": False}
 ACTIVATION_MODES = {"auto": None, "none": "none", "int8": "int8_token", "int8_token": "int8_token",
                     "int8_group": "int8_group"}
-# compute_dtype given as a string: the activation dtypes the kernels run (torch's aliases included)
-COMPUTE_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-                  "float16": torch.float16, "half": torch.float16}
+# the activation dtypes the kernels run, by every name hf_w4 accepts (torch's, its aliases, the short ones)
+DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def float_dtype(value, what: str = "dtype") -> torch.dtype:
+    """``value`` (a torch dtype, or a name of :data:`DTYPE_NAMES`, optionally ``"torch."``-prefixed) as a torch
+    dtype; anything else is a ValueError naming ``what``."""
+    if isinstance(value, str) and value.replace("torch.", "", 1) in DTYPE_NAMES:
+        return DTYPE_NAMES[value.replace("torch.", "", 1)]
+    if isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
+        return value
+    raise ValueError(f"{what}={value!r} is not supported; supported: torch.float32 / torch.bfloat16 / torch.float16 "
+                     f"or their names {sorted(DTYPE_NAMES)}")
 
 
 def _compute_dtype(value):
-    if isinstance(value, str) and value.replace("torch.", "", 1) in COMPUTE_DTYPES:
-        return COMPUTE_DTYPES[value.replace("torch.", "", 1)]
-    if value is None or value in COMPUTE_DTYPES.values():
-        return value
-    raise ValueError(f"compute_dtype={value!r} is not supported; supported: None (the dtype given to from_pretrained), "
-                     f"torch.float32 / torch.bfloat16 / torch.float16 or their names {sorted(COMPUTE_DTYPES)}")
+    if value is None:   # the dtype given to from_pretrained
+        return None
+    return float_dtype(value, "compute_dtype")
 
 
 def _check(name: str, value):

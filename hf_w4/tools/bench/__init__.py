@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = [(4096, 4096), (2048, 2048)] if not a.shapes else shapes
         ms = [1, 16, 256] if not a.m else ms
         a.min_time, a.rounds, a.min_runs = 0.05, 1, 3
-    if a.cold_mib is None:   # rotate over clearly more than the last-level cache (105 MiB on the AMX Xeon VM)
+    if a.cold_mib is None:   # rotate over clearly more than the last-level cache: weights come from memory
         a.cold_mib = max(96.0, round(2 * l3_mib()))
     usable = []
     for c in cs:

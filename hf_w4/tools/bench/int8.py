@@ -15,27 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from ... import _ext, layouts, ops
+from ... import _ext, ops
 from ...formats.spec import W4Spec
 from ...kernels import zentorch as zt
 from .harness import Contender, register
-from .w4a16 import rtn_int4
+from ..rtn import quantize_rtn
+from .w4a16 import INT4, int4_qweight
 
 
 
 def _qw_w8a8(w):
-    n, k = w.shape
-    s = (w.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-8)
-    codes = torch.clamp(torch.round(w / s), -127, 127).to(torch.int64)
+    """Per-channel symmetric int8 (compressed-tensors W8A8)."""
     spec = W4Spec("bench", "ct_int", "int8", 8, -1, True, act="int8_token")
-    return layouts.to_qweight(spec, layouts.pack(spec, codes, s), n, k)
+    return quantize_rtn(w, "int8", -1, True, scale_dtype=torch.float32).qweight(spec)
 
 
 def _qw_int4(w, group_size):
-    n, k = w.shape
-    codes, s = rtn_int4(w, group_size)
-    spec = W4Spec("bench", "ct_pack", "int4", 4, group_size, True, act="int8_token")
-    return layouts.to_qweight(spec, layouts.pack(spec, codes, s), n, k)
+    return int4_qweight(w, group_size, INT4.replace(act="int8_token"))
 
 
 class _Ours(Contender):

@@ -5,9 +5,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ... import _ext, layouts, ops
+from ... import _ext, ops
 from ...formats.spec import W4Spec
+from ..rtn import quantize_rtn
 from .harness import Contender, register
+
+# the quantized contenders' weights: symmetric round-to-nearest, as the writers quantize them
+INT4 = W4Spec("bench", "ct_pack", "int4", 4, 128, True)
+NVFP4 = W4Spec("bench", "modelopt_nvfp4", "nvfp4", 4, 16, True)
+
+
+def int4_qweight(w: torch.Tensor, group_size: int, spec: W4Spec = INT4):
+    """``w`` [N, K] as symmetric int4 (scale amax / 7, zero 8, bf16 scales) in ``spec``'s layout."""
+    r = quantize_rtn(w, "int4", group_size, True, scale_dtype=torch.bfloat16)
+    return r.qweight(spec.replace(group_size=group_size))
 
 
 class DenseBF16(Contender):
@@ -18,15 +29,6 @@ class DenseBF16(Contender):
 
     def run(self, state, x):
         return F.linear(x, state)
-
-
-def rtn_int4(w: torch.Tensor, group_size: int):
-    """Symmetric round-to-nearest int4: codes 0..15 (zero 8), fp32 scales [N, G]."""
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group_size, group_size)
-    s = (wg.abs().amax(-1) / 7.0).clamp(min=1e-8)
-    codes = (torch.round(wg / s.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.int64).reshape(n, k)
-    return codes, s
 
 
 class TorchInt4Pack(Contender):
@@ -42,7 +44,8 @@ class TorchInt4Pack(Contender):
     def prepare(self, w, group_size):
         key = (id(w), tuple(w.shape), group_size)
         if self._cache[0] != key:   # quantize once per weight; every copy is a fresh pack of the same codes
-            self._cache = (key, rtn_int4(w, group_size))
+            r = quantize_rtn(w, "int4", group_size, True, scale_dtype=torch.float32)
+            self._cache = (key, (r.codes, r.scales))
         codes, s = self._cache[1]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         # dequant = (q - 8) * scale + zero with zero = 0
@@ -64,11 +67,7 @@ class OursInt4(Contender):
         return True, ""
 
     def qweight(self, w, group_size):
-        n, k = w.shape
-        codes, s = rtn_int4(w, group_size)
-        spec = W4Spec(method="bench", layout="ct_pack", weight_type="int4", bits=4, group_size=group_size, sym=True)
-        t = layouts.pack(spec, codes, s, scale_dtype=torch.bfloat16)
-        return layouts.to_qweight(spec, t, n, k)
+        return int4_qweight(w, group_size)
 
     _cache = (None, None)
 
@@ -89,15 +88,7 @@ class OursNVFP4(OursInt4):
     name = "ours_nvfp4"
 
     def qweight(self, w, group_size):
-        n, k = w.shape
-        wb = w.float().reshape(n, k // 16, 16)
-        glob = float(w.abs().max()) / (6.0 * 448.0)
-        bs = (wb.abs().amax(-1) / 6.0 / glob).clamp(min=2.0 ** -9, max=448.0).to(layouts.FP8)
-        codes = torch.cat([layouts.e2m1_encode(wb[i:i + 256] / (bs[i:i + 256].float().unsqueeze(-1) * glob))
-                           for i in range(0, n, 256)]).reshape(n, k)
-        spec = W4Spec(method="bench", layout="modelopt_nvfp4", weight_type="nvfp4", bits=4, group_size=16, sym=True)
-        t = layouts.pack(spec, codes, bs, global_scale=glob)
-        return layouts.to_qweight(spec, t, n, k)
+        return quantize_rtn(w, "nvfp4-modelopt").qweight(NVFP4)
 
 
 class ReadFloor(Contender):

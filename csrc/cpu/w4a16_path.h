@@ -1,0 +1,131 @@
+// Which W4A16 kernel path a call takes: a pure function of the call (M, K, weight type, group size, activation
+// dtype) and of what the CPU offers, so the same inputs take the same path - and give the same outputs - in every
+// process on one machine. The thresholds were measured offline per CPU family; docs/cpu-kernels.md ("W4A16 paths" and
+// "M crossovers") has the table, where each number comes from and how to re-measure it. No torch headers.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cpu_features.h"
+#include "w4a16.h"
+
+namespace hf_w4 {
+
+// The numbers are the cpu_w4a16_gemm op's `path` argument (-1 = the automatic choice).
+enum class W4Path : int {
+  fused = 0,         // decode in registers + fp32 FMA (small M; every ISA)
+  dequant_bf16 = 1,  // dequantize N-chunks to bf16 + at::linear (bf16 x; other x dtypes dequantize to fp32)
+  amx = 2,           // AMX-BF16 tiles (bf16 x, K % 32 == 0)
+  int16 = 3,         // activations as int16 blocks x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd)
+  dequant_fp32 = 4,  // dequantize to fp32 + at::linear (x widened exactly, y rounded once)
+};
+
+inline const char* path_name(W4Path p) {
+  switch (p) {
+    case W4Path::fused: return "fused";
+    case W4Path::dequant_bf16: return "bf16";
+    case W4Path::amx: return "amx";
+    case W4Path::int16: return "int16";
+    case W4Path::dequant_fp32: return "fp32";
+  }
+  return "?";
+}
+
+// What the path choice needs to know about the machine (w4a16_torch.cpp fills it from cpu_caps() and HF_W4_*).
+struct PathCaps {
+  CpuIsa isa = CpuIsa::generic;
+  bool amx = false;        // AMX-BF16 usable (CPU + OS) and not switched off (HF_W4_AMX=0)
+  bool vbmi = false;       // AVX512-VBMI and not switched off (HF_W4_VBMI=0)
+  bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
+  bool bf16_full_rate = false;  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
+  int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
+};
+
+struct W4Call {
+  int64_t M, K;
+  int mode;     // W4_SYM / W4_ASYM / W4_NVFP4
+  int64_t gs;   // group size (NVFP4: 16)
+  int dtype;    // DT_F32 / DT_BF16 / DT_F16 of x
+};
+
+// NVFP4 on the AVX-512 int16 path with VBMI folds its block scales into the int16 weights from this M on.
+inline bool i16_nvfp4_folded(const PathCaps& c, int64_t M) { return c.isa == CpuIsa::avx512 && c.vbmi && M > 8; }
+
+// Activation block of the int16 path: the largest divisor of the group size that is a multiple of 4 and at most
+// 4096; 0 if none is >= 16 (no int16 path for that group size). NVFP4: 16, or with the block scales folded in
+// (AVX2 always, AVX-512 with VBMI for M > 8) the largest of 128, 64, 32 that divides K.
+inline int64_t i16_block(const PathCaps& c, const W4Call& q) {
+  if (c.isa == CpuIsa::generic) return 0;
+  if (q.mode == W4_NVFP4) {
+    if (c.isa == CpuIsa::avx512 && !i16_nvfp4_folded(c, q.M)) return 16;
+    return q.K % 128 == 0 ? 128 : q.K % 64 == 0 ? 64 : q.K % 32 == 0 ? 32 : 16;
+  }
+  for (int64_t d = std::min<int64_t>(q.gs, 4096); d >= 16; --d)
+    if (q.gs % d == 0 && d % 4 == 0) return d;
+  return 0;
+}
+
+// The AMX path can run this call.
+inline bool amx_ok(const PathCaps& c, const W4Call& q) {
+  return c.amx && c.isa == CpuIsa::avx512 && q.dtype == DT_BF16 && q.K % 32 == 0;
+}
+
+// ---- the M crossovers (docs/cpu-kernels.md, "M crossovers")
+// Largest M of the fused fp32 kernel in the automatic choice.
+inline int64_t fused_max_m(CpuIsa isa) { return isa == CpuIsa::avx512 ? 32 : isa == CpuIsa::avx2 ? 16 : 4; }
+// Largest M of the int16 kernel at small M (bf16 x only: fp16 x would lose bits, fp32 x keeps the exact kernel).
+inline int64_t i16_max_m(const PathCaps& c, const W4Call& q) {
+  if (c.isa == CpuIsa::avx2) return 16;
+  if (!amx_ok(c, q)) return 32;
+  if (!amx_raw_codes(q.mode, q.gs, 4)) return 4;
+  return q.gs >= 128 ? 2 : q.gs >= 64 ? 3 : 4;
+}
+// Smallest M of the AMX path: int4 on raw codes from 2, NVFP4 from 4, int4 with other groups from 6.
+inline int64_t amx_min_m(const W4Call& q) {
+  if (q.mode == W4_NVFP4) return 4;
+  return amx_raw_codes(q.mode, q.gs, 1) ? 2 : 6;
+}
+// Largest M of the AVX2 int16 kernel above small M, before dequantize + GEMM takes over.
+inline int64_t avx2_i16_large_max_m(int mode) { return mode == W4_NVFP4 ? 32 : 80; }
+// Largest M of the AVX-512 NVFP4 int16 kernel (its decode costs more than int4's) where the bf16 GEMM runs at full
+// rate; int4, and NVFP4 on other AVX-512 CPUs, keep the int16 kernel at every M.
+constexpr int64_t kAvx512NvfpI16MaxM = 112;
+
+// bf16 x above the small-M kernels where AMX does not take it.
+inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
+  const bool i16 = i16_block(c, q) > 0;
+  const W4Path gemm = c.bf16_gemm ? W4Path::dequant_bf16 : W4Path::dequant_fp32;
+  if (c.large >= 0) {
+    const W4Path forced = static_cast<W4Path>(c.large);
+    return forced == W4Path::int16 && !i16 ? W4Path::dequant_fp32 : forced;
+  }
+  if (c.amx) return W4Path::dequant_bf16;  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX
+  if (c.isa == CpuIsa::avx512 && i16 &&
+      (q.mode != W4_NVFP4 || !c.bf16_full_rate || q.M <= kAvx512NvfpI16MaxM))
+    return W4Path::int16;
+  if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(q.mode)) return W4Path::int16;
+  return gemm;
+}
+
+// The automatic choice.
+inline W4Path choose_path(const PathCaps& c, const W4Call& q) {
+  const bool bf16 = q.dtype == DT_BF16;
+  const int64_t i16max = i16_max_m(c, q);
+  if (bf16 && i16_block(c, q) > 0 && q.M <= i16max) return W4Path::int16;
+  if (amx_ok(c, q) && q.M >= amx_min_m(q)) return W4Path::amx;
+  if (bf16 && q.M > std::max(i16max, fused_max_m(c.isa))) return large_m_path(c, q);
+  if (q.M <= fused_max_m(c.isa)) return W4Path::fused;
+  return bf16 ? W4Path::dequant_bf16 : W4Path::dequant_fp32;
+}
+
+// A requested path (-1 = automatic); a path the call cannot take (int16 without an int16 block or on the generic
+// ISA, AMX where amx_ok is false) falls back to the automatic choice.
+inline W4Path resolve_path(const PathCaps& c, const W4Call& q, int requested) {
+  if (requested < 0) return choose_path(c, q);
+  const W4Path p = static_cast<W4Path>(requested);
+  if (p == W4Path::int16 && i16_block(c, q) == 0) return choose_path(c, q);
+  if (p == W4Path::amx && !amx_ok(c, q)) return choose_path(c, q);
+  return p;
+}
+
+}  // namespace hf_w4
