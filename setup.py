@@ -1,7 +1,9 @@
-"""Declares the compiled op library (setup.cfg holds everything else).
+"""Declares the compiled op libraries (setup.cfg holds everything else).
 
-CPU sources (csrc/cpu/*.cpp) are always built; CUDA sources (csrc/cuda/*.cu) only when the installed
-torch has CUDA. The library exposes no Python module: hf_w4/_ext.py loads it with torch.ops.load_library.
+CPU sources (csrc/cpu/*.cpp) are always built into hf_w4._C. Where torch has CUDA and a CUDA toolkit is found, the
+CUDA kernels (csrc/cuda: *.cu device code + one .cpp of torch glue) are built into hf_w4._C_cuda for sm_80 and sm_90
+with PTX for newer GPUs (TORCH_CUDA_ARCH_LIST overrides; HF_W4_NO_CUDA=1 skips them). Neither library is a Python
+module: hf_w4/_ext.py loads them with torch.ops.load_library (and JIT-builds csrc/cuda when _C_cuda is missing).
 """
 import glob
 import os
@@ -10,17 +12,20 @@ from setuptools import setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 except ImportError as e:  # pragma: no cover
     raise SystemExit("hf_w4 builds against an installed torch: pip install torch==2.13.0 first, "
                      "then pip install --no-build-isolation .") from e
 
 cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unused-function"]
 sources = sorted(glob.glob("csrc/cpu/*.cpp"))
-cuda = sorted(glob.glob("csrc/cuda/*.cu")) if torch.version.cuda and os.environ.get("HF_W4_NO_CUDA") != "1" else []
-Ext = CUDAExtension if cuda else CppExtension
-ext = Ext("hf_w4._C", sources + cuda, include_dirs=[os.path.abspath("csrc")],
-          extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]} if cuda else cxx,
-          extra_link_args=["-fopenmp"], py_limited_api=False)
+exts = [CppExtension("hf_w4._C", sources, include_dirs=[os.path.abspath("csrc")], extra_compile_args=cxx,
+                     extra_link_args=["-fopenmp"], py_limited_api=False)] if sources else []
 
-setup(ext_modules=[ext] if sources else [], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+if cuda_sources and torch.version.cuda and CUDA_HOME is not None and os.environ.get("HF_W4_NO_CUDA") != "1":
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    exts.append(CUDAExtension("hf_w4._C_cuda", cuda_sources, include_dirs=[os.path.abspath("csrc/cuda")],
+                              extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}, py_limited_api=False))
+
+setup(ext_modules=exts, cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -29,7 +29,7 @@ VARIABLES = (
     Variable("HF_W4_NO_EXT", "Python", "1", "do not load the compiled library: every layer runs on the reference "
              "kernel (the test suite accepts a missing library only with this set)"),
     Variable("HF_W4_LIBRARY", "Python", "a path to a .so", "load this build of the compiled library instead of "
-             "hf_w4/_C*.so (the emulated AVX-512 build in the tests)"),
+             "hf_w4/_C.*.so (the emulated AVX-512 build in the tests)"),
     Variable("HF_W4_CACHE", "Python", "a directory", "where `hf-w4` converts the embedded default model "
              "(default `~/.cache/hf_w4`)"),
     Variable("HF_W4_DEBUG", "Python", "any non-empty value", "`hf-w4` shows the traceback instead of a one-line "
@@ -43,10 +43,18 @@ VARIABLES = (
     Variable("HF_W4_VBMI", "C++", "0", "cpu_w4a16: look NVFP4 codes up with vpermw instead of AVX512-VBMI vpermb "
              "(bit-identical results)"),
     Variable("HF_W4_LARGE_PATH", "C++", "int16 / bf16 / fp32", "cpu_w4a16, bf16 activations at large M without "
-             "AMX: use this path instead of the one timed fastest on this CPU (makes runs reproducible across "
-             "processes)"),
+             "AMX: use this path instead of the fixed rule for this CPU family (docs/cpu-kernels.md)"),
     Variable("HF_W4_W4A16_CHUNK_MB", "C++", "a size in MiB", "cpu_w4a16's dequantize + GEMM paths: the dequantized "
              "chunk size (default 2 MiB per thread)"),
+    Variable("HF_W4_NO_CUDA_EXT", "Python", "1", "do not load or JIT-build the CUDA library: CUDA layers run on "
+             "the reference kernel"),
+    Variable("HF_W4_CUDA_BUILD_DIR", "Python", "a directory", "where the CUDA library is JIT-built when pip did not "
+             "build it (default: $TORCH_EXTENSIONS_DIR or ~/.cache/hf_w4, per torch and CUDA version)"),
+    Variable("HF_W4_CUDA_VERBOSE", "Python", "1", "show the compiler commands of the CUDA JIT build"),
+    Variable("HF_W4_CUDA_LARGE_M", "Python", "a number of rows", "cuda_w4a16: from this many rows on, dequantize the "
+             "layer and run cuBLAS instead of the fused kernel (default 128; read when a layer is prepared)"),
+    Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
+             "does not know, for its %-of-bandwidth column"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),
     Variable("HF_W4_QUICK", "notebook", "1", "notebooks/evaluate.ipynb: the short run (as CI runs it)"),
     Variable("HF_W4_SIMDE_INCLUDE", "tests", "a directory", "SIMDe's headers for the emulated AVX-512 build "

@@ -13,7 +13,10 @@ transformers (``install()`` sets, ``uninstall()`` restores):
 * ``modeling_utils.get_hf_quantizer`` (with ``modelopt``): a local ModelOpt export that has only
   ``hf_quant_config.json`` loads as if ``quantization_config=ModelOptConfig()`` had been passed;
 * ``PreTrainedModel.resize_token_embeddings``: refuses a quantized output embedding before anything changes
-  (transformers would resize the input embeddings first, then fail on the packed head).
+  (transformers would resize the input embeddings first, then fail on the packed head);
+* ``distributed.tensor_parallel.ALL_PARALLEL_STYLES`` gains ``hf_w4_<style>`` for each column- and row-parallel
+  style: the same style, also splitting a QuantLinear's packed tensors (``hf_w4.loading.tensor_parallel``; the
+  quantizer points a tp_plan's entries for quantized layers at them).
 
 PEFT (``hf_w4.peft.lora.enable()``, at ``install()``; stays for the process, acts on ``QuantLinear`` layers only):
 
@@ -35,6 +38,7 @@ from typing import Iterable, Optional
 
 from .formats.modelopt import ALGOS, sidecar_algo
 from .loading import CONFIGS, QUANTIZERS
+from .loading import tensor_parallel
 from .loading.config import ModelOptConfig
 from .nn import QuantLinear
 from .peft import lora
@@ -76,6 +80,8 @@ def install(methods: Optional[Iterable[str]] = None) -> None:
         from transformers import PreTrainedModel
         _extra["resize_token_embeddings"] = PreTrainedModel.resize_token_embeddings
         PreTrainedModel.resize_token_embeddings = _resize_token_embeddings
+    if "tp_styles" not in _extra:
+        _extra["tp_styles"] = list(tensor_parallel.register_styles())
     lora.enable()  # PEFT's LoRA takes QuantLinear layers (process-wide; only ever matches hf_w4 layers)
     logger.info("hf_w4: installed for %s", ", ".join(_saved))
 
@@ -97,6 +103,8 @@ def uninstall() -> None:
     if "get_hf_quantizer" in _extra:
         from transformers import modeling_utils
         modeling_utils.get_hf_quantizer = _extra.pop("get_hf_quantizer")
+    if "tp_styles" in _extra:
+        tensor_parallel.unregister_styles(_extra.pop("tp_styles"))
     if "resize_token_embeddings" in _extra:
         from transformers import PreTrainedModel
         PreTrainedModel.resize_token_embeddings = _extra.pop("resize_token_embeddings")

@@ -35,6 +35,11 @@ class LayoutError(ValueError):
 # nibble packing
 
 
+# GPTQ v1 qzeros are the true zeros' int32 words minus this, in word arithmetic (so a true zero of 0 borrows from
+# the next slot), as GPTQModel writes and reads them; without a zero of 0 it is the same as zero - 1 per nibble
+V1_ZERO_OFFSET = 0x11111111
+
+
 def pack_nibbles(values: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SLOTS) -> torch.Tensor:
     """Pack 4-bit values (0..15, any int dtype) 8 per int32 along ``dim``: element j of each run of 8
     goes to bits [4*slots[j], 4*slots[j]+4)."""
@@ -51,14 +56,14 @@ def pack_nibbles(values: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SL
 def unpack_nibbles(words: torch.Tensor, dim: int, slots: Tuple[int, ...] = SEQ_SLOTS) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`: int32 words -> uint8 values 0..15, 8x longer along ``dim``."""
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int64)
+    shifts = torch.tensor([4 * s for s in slots], dtype=torch.int64, device=w.device)
     v = (w.unsqueeze(-1) >> shifts) & 0xF
     v = v.reshape(*w.shape[:-1], w.shape[-1] * 8).to(torch.uint8)
     return v.movedim(-1, dim)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +130,11 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "<module>")
     Raises NotImplementedError naming ``<name>.g_idx`` when the groups are not all of ``group_size`` columns."""
     k = g_idx.numel()
     g = g_idx.to(torch.int64)
-    if torch.equal(g, torch.arange(k) // group_size):
+    in_order = torch.arange(k, device=g.device) // group_size
+    if torch.equal(g, in_order):
         return None
     perm = torch.argsort(g, stable=True)
-    if not torch.equal(g[perm], torch.arange(k) // group_size):
+    if not torch.equal(g[perm], in_order):
         values, counts = torch.unique(g, return_counts=True)
         odd = (counts != group_size).nonzero()
         found = (f"group {int(values[odd[0]])} has {int(counts[odd[0]])} columns" if odd.numel() else
@@ -142,7 +148,7 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, name: str = "<module>")
 def group_index(qw: QWeight) -> torch.Tensor:
     if qw.g_idx is not None:
         return qw.g_idx.to(torch.int64)
-    return torch.arange(qw.k) // qw.group_size
+    return torch.arange(qw.k, device=qw.scales.device) // qw.group_size
 
 
 def fp8_decode(bits: torch.Tensor) -> torch.Tensor:
@@ -248,16 +254,17 @@ def to_qweight(spec: W4Spec, t: Dict[str, torch.Tensor], n: int, k: int, name: s
     if L in ("gptq", "awq"):
         _finite(name, "scales", t["scales"])
         scales = t["scales"].to(torch.float32).t().contiguous()
-        zeros = unpack_nibbles(t["qzeros"], 1, SEQ_SLOTS if L == "gptq" else AWQ_SLOTS).to(torch.float32)
+        qzeros = t["qzeros"]
         if L == "gptq" and spec.zero_plus_one:
-            zeros = zeros + 1
+            qzeros = qzeros.to(torch.int64) + V1_ZERO_OFFSET  # carries included; unpack_nibbles drops bit 32 up
+        zeros = unpack_nibbles(qzeros, 1, SEQ_SLOTS if L == "gptq" else AWQ_SLOTS).to(torch.float32)
         g_idx = None
         if L == "gptq" and "g_idx" in t:
             g_idx = t["g_idx"].to(torch.int64)
             if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[1]:
                 raise LayoutError(f"{name}.g_idx: values range over [{int(g_idx.min())}, {int(g_idx.max())}], "
                                   f"expected group indices in [0, {scales.shape[1] - 1}]")
-            if torch.equal(g_idx, torch.arange(k) // gs):
+            if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // gs):
                 g_idx = None
         if L == "gptq":
             codes, pack_dim, slots = t["qweight"].t(), "k", SEQ_SLOTS
@@ -356,12 +363,13 @@ def pack(spec: W4Spec, codes: torch.Tensor, scales: torch.Tensor, zeros: Optiona
     if L in ("gptq", "awq"):
         z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.int64)
         z = z.to(torch.int64)
-        if L == "gptq" and spec.zero_plus_one:
-            z = z - 1  # v1 stores zero-1 (a true zero of 0 wraps to 15, as the producers' files would)
         sd = scale_dtype or torch.float16
         out = {"scales": scales.t().contiguous().to(sd), "qweight": pack_codes(spec, codes)}
         if L == "gptq":
             out["qzeros"] = pack_nibbles(z.t(), 1, SEQ_SLOTS)
+            if spec.zero_plus_one:
+                w = (out["qzeros"].to(torch.int64) - V1_ZERO_OFFSET) & 0xFFFFFFFF
+                out["qzeros"] = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
             if g_idx is not None or spec.has_g_idx:
                 gs = spec.effective_group(k)
                 out["g_idx"] = (g_idx if g_idx is not None else torch.arange(k) // gs).to(torch.int32)

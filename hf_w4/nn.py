@@ -37,6 +37,10 @@ def plain_linear(m: nn.Module) -> bool:
 
 
 class QuantLinear(nn.Module):
+    # tensor parallelism: ("out" | "in", rank, ranks) when this module holds one rank's slice of the layer
+    # (hf_w4.loading.tensor_parallel); in/out_features stay the whole layer's, as transformers' hooks expect
+    tp_shard: Optional[Tuple[str, int, int]] = None
+
     def __init__(self, spec: W4Spec, in_features: int, out_features: int, name: str,
                  tensors: Dict[str, Tuple[tuple, torch.dtype]], bias_dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -58,6 +62,15 @@ class QuantLinear(nn.Module):
         self._offload_source = None  # accelerate's weights map of an offloaded layer (offload_to)
         self._offload_device: Optional[torch.device] = None  # where it runs
         self._meta: Dict[str, torch.Tensor] = {}  # its tensors' meta placeholders
+
+    @property
+    def held_features(self) -> Tuple[int, int]:
+        """(N, K) of the weight this module holds: the layer's, or this rank's slice under tensor parallelism."""
+        n, k = self.out_features, self.in_features
+        if self.tp_shard is None:
+            return n, k
+        dim, _, ranks = self.tp_shard
+        return (n // ranks, k) if dim == "out" else (n, k // ranks)
 
     # -- tensors
     def checkpoint_tensors(self) -> Dict[str, torch.Tensor]:
@@ -92,14 +105,16 @@ class QuantLinear(nn.Module):
 
     def quantized_weight(self) -> layouts.QWeight:
         return layouts.to_qweight(self.spec, {t: v.data for t, v in self.checkpoint_tensors().items()},
-                                  self.out_features, self.in_features, self.name)
+                                  *self.held_features, self.name)
 
     def dequantize_weight(self) -> torch.Tensor:
         """The exact dense weight [out, in] in fp32."""
         return layouts.dequantize(self.quantized_weight())
 
     def packed_bytes(self) -> int:
-        own = sum(p.numel() * p.element_size() for p in self.parameters(recurse=False))
+        # a bias transformers split or replicated for tensor parallelism is a DTensor: count this rank's part
+        own = sum(p.numel() * p.element_size() for p in
+                  (p.to_local() if hasattr(p, "to_local") else p for p in self.parameters(recurse=False)))
         kern = sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
         return own + kern
 
@@ -174,15 +189,15 @@ class QuantLinear(nn.Module):
     def _select_kernel(self, dtype: torch.dtype, force: Optional[str], deny: Sequence[str]) -> None:
         tensors = {t: v.data for t, v in self.checkpoint_tensors().items()}  # before the old kernel's buffers go
         device = next(iter(tensors.values())).device
-        qw = layouts.to_qweight(self.spec, tensors, self.out_features, self.in_features, self.name)
+        n, k = self.held_features
+        qw = layouts.to_qweight(self.spec, tensors, n, k, self.name)
         # a stored g_idx that only says "groups in order" (GPTQ writes one even without act-order) is dropped by
         # to_qweight: kernels without act-order support can take the layer
         spec = self.spec.replace(has_g_idx=False) if self.spec.has_g_idx and qw.g_idx is None else self.spec
-        cls, self.kernel_reasons = registry.select(spec, self.out_features, self.in_features, device, dtype,
-                                                   force=force, deny=deny, name=self.name)
+        cls, self.kernel_reasons = registry.select(spec, n, k, device, dtype, force=force, deny=deny, name=self.name)
         for b in list(self._non_persistent_buffers_set):  # the old kernel's
             delattr(self, b)
-        kernel = cls(spec, self.out_features, self.in_features)
+        kernel = cls(spec, n, k)
         kernel.prepare(self, qw)
         self.kernel = kernel
         self._kernel_request = (dtype, force, tuple(deny))
@@ -223,9 +238,12 @@ class QuantLinear(nn.Module):
         if self.kernel is None:
             raise RuntimeError(f"{self.name}: QuantLinear has no kernel yet (call select_kernel; transformers does "
                                "this after loading)")
-        if x.shape[-1] != self.in_features:  # for every kernel: their own errors name neither layer nor K
+        k = self.held_features[1]
+        if x.shape[-1] != k:  # for every kernel: their own errors name neither layer nor K
+            want = (f"in_features K={k}" if self.tp_shard is None else
+                    f"K={k} (this rank's slice of in_features={self.in_features})")
             raise RuntimeError(f"{self.name}: input has {x.shape[-1]} features (shape {list(x.shape)}), expected "
-                               f"in_features K={self.in_features}")
+                               f"{want}")
         if self._offload_source is not None:
             with self._brought_in():
                 self.kernel.prepare(self, self.quantized_weight())

@@ -269,3 +269,55 @@ torch.library.register_autograd(
     "hf_w4::int8_gemm", _linear_backward(lambda p, s, z, perm, wt, n, k, gs, *_:
                                          int8_dense(p, s, z, perm, wt, n, k, gs)),
     setup_context=_linear_setup)
+
+
+# ---- W4A16 on CUDA (cuda_w4a16; csrc/cuda, built as hf_w4/_C_cuda*.so or JIT-built by hf_w4._ext.load_cuda)
+# Kernel layout (csrc/cuda/w4a16_math.cuh; packed and read back in hf_w4/kernels/cuda_w4a16.py): qpack int32
+# [K/16, Npad/64, 32, 4] (Npad = N rounded up to 64, padding columns hold code 0), the mma.sync B fragments of each
+# k16 x n64 tile in lane order; int4 scales in x's dtype and zero points uint8 [G, Npad/64, 8, 8] (zeros None =
+# symmetric, 8), nvfp4 scales E4M3 bytes uint8 [K/16, Npad/64, 8, 8]. K columns in act-order (the caller permutes x).
+# gemm: x [M, K] fp16 / bf16 -> [M, N] in x's dtype, fused dequantization (meant for small M; any M runs); nvfp4
+# multiplies by global_scale in fp32 before the output cast. dequant: the dense [N, K] weight in ``dtype`` (nvfp4:
+# global scale applied in fp32, then one rounding), for the large-M path and for tests.
+lib.define("cuda_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor? zeros, Tensor? bias, int n, "
+           "int group_size, str weight_type, float global_scale=1.0) -> Tensor")
+lib.define("cuda_w4a16_dequant(Tensor qpack, Tensor scales, Tensor? zeros, int n, int k, int group_size, "
+           "str weight_type, float global_scale, ScalarType dtype) -> Tensor")
+# cuda_w4a16_plan: the fused kernel's work split for an M x N x K call on the current device (benchmark report):
+# [mt, m-blocks, 64-column tiles, k splits, k16 steps per split, resident blocks per SM].
+lib.define("cuda_w4a16_plan(int m, int n, int k, str weight_type, bool asym, bool bf16) -> int[]")
+
+
+@torch.library.register_fake("hf_w4::cuda_w4a16_gemm")
+def _cuda_w4a16_gemm_fake(x, qpack, scales, zeros, bias, n, group_size, weight_type, global_scale=1.0):
+    torch._check(x.dim() == 2, lambda: "cuda_w4a16_gemm: x must be 2-D")
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("hf_w4::cuda_w4a16_dequant")
+def _cuda_w4a16_dequant_fake(qpack, scales, zeros, n, k, group_size, weight_type, global_scale, dtype):
+    return qpack.new_empty((n, k), dtype=dtype)
+
+
+def _cuda_w4a16_setup(ctx, inputs, output):
+    x, qpack, scales, zeros, bias, n, group_size, weight_type, global_scale = inputs
+    ctx.save_for_backward(qpack, scales, zeros)
+    ctx.scalars = (n, x.shape[1], group_size, weight_type, global_scale, x.dtype)
+    ctx.needs_bias_grad = bias is not None and ctx.needs_input_grad[4]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _cuda_w4a16_backward(ctx, grad):
+    qpack, scales, zeros = ctx.saved_tensors
+    n, k, group_size, weight_type, global_scale, dtype = ctx.scalars
+    gx = gb = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.hf_w4.cuda_w4a16_dequant(qpack, scales, zeros, n, k, group_size, weight_type, global_scale,
+                                               dtype)
+        gx = (grad.float() @ w.float()).to(dtype)
+    if ctx.needs_bias_grad:
+        gb = grad.sum(0).to(ctx.bias_dtype)
+    return gx, None, None, None, gb, None, None, None, None
+
+
+torch.library.register_autograd("hf_w4::cuda_w4a16_gemm", _cuda_w4a16_backward, setup_context=_cuda_w4a16_setup)

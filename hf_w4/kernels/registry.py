@@ -55,7 +55,7 @@ def _load_builtin() -> None:
     _loaded = True
     register(TorchReferenceKernel)
     import importlib
-    for mod in ("cpu_w4a16", "cpu_int8", "zentorch"):   # each registers its kernel classes
+    for mod in ("cpu_w4a16", "cpu_int8", "zentorch", "cuda_w4a16"):   # each registers its kernel classes
         importlib.import_module(f"{__package__}.{mod}")
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from .. import formats, layouts
-from . import checkpoint, memory, moe
+from . import checkpoint, memory, moe, tensor_parallel
 from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
@@ -189,7 +189,8 @@ class HfW4Quantizer(HfQuantizer):
         return self.options.get("compute_dtype") or dtype
 
     def update_parallel_plan(self, model, plan):
-        pass  # packed tensors carry no generic sharding plan
+        # column- / row-parallel entries that reach a QuantLinear go to hf_w4's variants, which split packed tensors
+        tensor_parallel.update_plan(model, plan)
 
     def _convert_model_for_quantization(self, model):
         pass  # per checkpoint, in _process_model_before_weight_loading (moe.sequential_for_checkpoint)
@@ -241,6 +242,7 @@ class HfW4Quantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         dtype = self.options.get("compute_dtype") or getattr(model, "dtype", None) or torch.float32
+        tensor_parallel.check_model(model)
         # runs after accelerate's dispatch: layers it offloads read their packed tensors from its weights map
         for m, (source, device) in offloaded_layers(model).items():
             m.offload_to(source, device)
@@ -251,6 +253,8 @@ class HfW4Quantizer(HfQuantizer):
         try:
             for m in model.modules():
                 if isinstance(m, QuantLinear):
+                    if m.tp_shard is not None:
+                        tensor_parallel.localize(m)
                     m.check_loaded()
                     maps.copy_out(m, recurse=False)
                     for p in m.parameters(recurse=False):
@@ -278,6 +282,10 @@ class HfW4Quantizer(HfQuantizer):
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 m.check_loaded()  # refuse before any file is written
+                if m.tp_shard is not None:
+                    raise NotImplementedError(
+                        f"{m.name}: this rank holds only its tensor-parallel slice of the layer; save the checkpoint "
+                        "from a model loaded in one process (the files this one was loaded from are that checkpoint)")
         return None, {}
 
     def dequantize(self, model, dtype=None):
@@ -290,6 +298,10 @@ class HfW4Quantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         # trainable nn.Linears, as a dense model's (and transformers' own dequantize) are
+        for name, m in model.named_modules():   # before any layer changes
+            if isinstance(m, QuantLinear) and m.tp_shard is not None:
+                raise NotImplementedError(f"{name}: dequantizing a tensor-parallel slice is not supported; "
+                                          "dequantize a model loaded in one process")
         for name, m in list(model.named_modules()):
             if isinstance(m, QuantLinear):
                 w = m.dequantize_weight()

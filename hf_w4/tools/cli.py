@@ -242,7 +242,8 @@ def cmd_convert(a) -> int:
     from . import models, writers
     src = models.resolve(a.src)
     kw = dict(group_size=a.group_size, sym=not a.asym, quantize_lm_head=a.lm_head, ignore=tuple(a.ignore or ()),
-              dtype=_dtype(a.dtype), skip_incompatible=a.skip_incompatible)
+              dtype=_dtype(a.dtype), skip_incompatible=a.skip_incompatible, keep_dense_twin=False,
+              max_shard_size=a.max_shard_size or writers.MAX_SHARD_SIZE)
     try:
         res = writers.write_checkpoint(str(src), a.out, a.format, **kw)
     except OSError as e:
@@ -347,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
     s.add_argument("--ignore", nargs="*", metavar="NAME", help="module names/patterns to keep dense")
     s.add_argument("--dtype", default="bf16", choices=DTYPES, help="dtype of the unquantized tensors")
+    s.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest weights file, e.g. 5GB or 500MB (default: as save_pretrained, 50GB); weights that do "
+                        "not fit in one go to model-0000i-of-0000n.safetensors files and an index")
     s.add_argument("--skip-incompatible", action="store_true",
                    help="leave Linears whose shape the format cannot hold (e.g. K not divisible by the group size) "
                         "dense instead of failing")

@@ -12,7 +12,7 @@ is :mod:`hf_w4.tools.rtn`; each producer's layout and conventions are in docs/fo
 """
 from ..rtn import QuantizationError, RTNResult, e2m1_codes, quantize_rtn
 from .formats import FORMATS, Format, WriterError
-from .write import WriteResult, write_checkpoint
+from .write import MAX_SHARD_SIZE, WriteResult, write_checkpoint
 
 __all__ = ["FORMATS", "Format", "WriterError", "QuantizationError", "RTNResult", "WriteResult", "e2m1_codes",
-           "quantize_rtn", "write_checkpoint"]
+           "quantize_rtn", "write_checkpoint", "MAX_SHARD_SIZE"]

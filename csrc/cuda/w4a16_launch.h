@@ -1,0 +1,41 @@
+// Plain C++ interface between the torch glue (w4a16_torch.cpp) and the device code (w4a16_gemm.cu): raw
+// pointers only, so the .cu files include no torch headers. Layouts: see w4a16_math.cuh.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "w4a16_math.cuh"
+
+namespace hf_w4 {
+namespace cuda {
+
+struct GemmArgs {
+  const void* x;         // [M, K] fp16 / bf16, row-major, 4-byte aligned
+  const int32_t* qpack;  // [K/16][Npad/64][32][4]
+  const void* scales;    // int4: [G][Npad/64][64] in x's dtype; nvfp4: uint8 E4M3 [K/16][Npad/64][64]
+  const uint8_t* zeros;  // int4 asymmetric: [G][Npad/64][64] integer zero points; else null
+  const void* bias;      // [N] in x's dtype or null
+  void* y;               // [M, N] in x's dtype
+  float* workspace;      // split-K partials (plan.ws_floats)
+  int* counters;         // plan.counters ints, zero on entry; the kernel leaves them zero
+  int m, n, npad, k, group_size;
+  float global_scale;    // nvfp4 multiplier (1 for int4)
+  int kind;              // WeightKind
+  bool bf16;
+};
+
+// Blocks of the fused kernel for (mt, dtype, kind) resident per SM on the current device (the occupancy API, once).
+int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind);
+
+// y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
+cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);
+
+// The dense weight [N, K] (x's dtype; nvfp4 with the global scale applied in fp32 before the rounding), for the
+// large-M path (dense GEMM) and for tests. w must be 16-byte aligned (written in 16-byte pieces of rows).
+cudaError_t w4a16_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int npad,
+                          int k, int group_size, float global_scale, int kind, bool bf16, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace hf_w4

@@ -1,0 +1,168 @@
+// torch glue of the CUDA W4A16 kernels: checks, allocations from torch's caching allocator, the launch on the
+// current stream. Schemas are defined in hf_w4/ops.py; this file only registers the CUDA implementations.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "w4a16_launch.h"
+
+namespace hf_w4 {
+namespace cuda {
+namespace {
+
+int weight_kind(c10::string_view weight_type_sv, const std::optional<at::Tensor>& zeros) {
+  const std::string weight_type(weight_type_sv);
+  if (weight_type == "nvfp4") return kNvfp4;
+  TORCH_CHECK(weight_type == "int4", "hf_w4 cuda_w4a16: weight_type '", weight_type,
+              "' is not supported; supported: int4, nvfp4");
+  return zeros.has_value() && zeros->numel() ? kInt4Asym : kInt4Sym;
+}
+
+int sm_count(int device) {
+  // read once per device (cudaDeviceGetAttribute is cheap, but this runs on every call)
+  static int cached[64] = {0};
+  if (device < 64 && cached[device]) return cached[device];
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) cached[device] = v;
+  return v;
+}
+
+// the fused kernel's work split for this call on ``device``
+GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
+  const int bps = w4a16_gemm_blocks_per_sm(plan_mt((int)m), bf16, kind);
+  if (blocks_per_sm) *blocks_per_sm = bps;
+  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps);
+}
+
+void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                  int64_t n, int64_t k, int64_t group_size, int kind, at::ScalarType act) {
+  TORCH_CHECK(n > 0 && k > 0 && k % 16 == 0, "hf_w4 cuda_w4a16: K=", k, " must be a positive multiple of 16");
+  const int64_t npad = (n + 63) / 64 * 64;
+  TORCH_CHECK(qpack.is_cuda() && qpack.scalar_type() == at::kInt && qpack.is_contiguous() &&
+                  qpack.numel() == k * npad / 8,
+              "hf_w4 cuda_w4a16: qpack must be a contiguous int32 CUDA tensor of ", k * npad / 8, " elements (K/16 x Npad/64 "
+              "x 32 x 4), got ", qpack.scalar_type(), " ", qpack.sizes());
+  TORCH_CHECK(act == at::kHalf || act == at::kBFloat16, "hf_w4 cuda_w4a16: activations must be float16 or bfloat16, got ",
+              act);
+  if (kind == kNvfp4) {
+    TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.numel() == k / 16 * npad,
+                "hf_w4 cuda_w4a16: nvfp4 scales must be contiguous uint8 of ", k / 16 * npad, " elements, got ",
+                scales.scalar_type(), " ", scales.sizes());
+  } else {
+    TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && k % group_size == 0, "hf_w4 cuda_w4a16: group_size=",
+                group_size, " must be a multiple of 16 dividing K=", k);
+    const int64_t g = k / group_size;
+    TORCH_CHECK(scales.scalar_type() == act && scales.is_contiguous() && scales.numel() == g * npad,
+                "hf_w4 cuda_w4a16: int4 scales must be contiguous ", act, " of ", g * npad, " elements, got ",
+                scales.scalar_type(), " ", scales.sizes());
+    if (kind == kInt4Asym)
+      TORCH_CHECK(zeros->scalar_type() == at::kByte && zeros->is_contiguous() && zeros->numel() == g * npad,
+                  "hf_w4 cuda_w4a16: zeros must be contiguous uint8 of ", g * npad, " elements, got ",
+                  zeros->scalar_type(), " ", zeros->sizes());
+  }
+  TORCH_CHECK(scales.device() == qpack.device() && (!zeros.has_value() || zeros->device() == qpack.device()),
+              "hf_w4 cuda_w4a16: qpack, scales and zeros must be on one device");
+}
+
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales,
+                const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias, int64_t n,
+                int64_t group_size, c10::string_view weight_type, double global_scale) {
+  const int kind = weight_kind(weight_type, zeros);
+  TORCH_CHECK(x_in.dim() == 2, "hf_w4 cuda_w4a16_gemm: x must be 2-D [M, K], got ", x_in.sizes());
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  check_layout(qpack, scales, zeros, n, k, group_size, kind, x_in.scalar_type());
+  TORCH_CHECK(x_in.device() == qpack.device(), "hf_w4 cuda_w4a16_gemm: x is on ", x_in.device(),
+              ", the weights on ", qpack.device());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 4) x = x.clone();  // the kernel reads k pairs as 32-bit words
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "hf_w4 cuda_w4a16_gemm: bias has ", bias->numel(), " elements, expected N=", n);
+    b = bias->to(x.scalar_type()).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const int64_t npad = (n + 63) / 64 * 64;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const GemmPlan plan = make_plan(m, npad, k, bf16, kind, x.get_device(), nullptr);
+  at::Tensor ws, counters;
+  if (plan.splits > 1) {
+    ws = at::empty({(int64_t)plan.ws_floats}, x.options().dtype(at::kFloat));
+    counters = at::zeros({plan.counters}, x.options().dtype(at::kInt));
+  }
+  GemmArgs a{};
+  a.x = x.data_ptr();
+  a.qpack = qpack.data_ptr<int32_t>();
+  a.scales = scales.data_ptr();
+  a.zeros = kind == kInt4Asym ? zeros->data_ptr<uint8_t>() : nullptr;
+  a.bias = b.has_value() ? b->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.workspace = plan.splits > 1 ? ws.data_ptr<float>() : nullptr;
+  a.counters = plan.splits > 1 ? counters.data_ptr<int>() : nullptr;
+  a.m = (int)m;
+  a.n = (int)n;
+  a.npad = (int)npad;
+  a.k = (int)k;
+  a.group_size = kind == kNvfp4 ? 16 : (int)group_size;
+  a.global_scale = (float)global_scale;
+  a.kind = kind;
+  a.bf16 = bf16;
+  C10_CUDA_CHECK(w4a16_gemm(a, plan, c10::cuda::getCurrentCUDAStream()));
+  return y;
+}
+
+at::Tensor dequant(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                   int64_t n, int64_t k, int64_t group_size, c10::string_view weight_type, double global_scale,
+                   at::ScalarType dtype) {
+  const int kind = weight_kind(weight_type, zeros);
+  check_layout(qpack, scales, zeros, n, k, group_size, kind, kind == kNvfp4 ? dtype : scales.scalar_type());
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "hf_w4 cuda_w4a16_dequant: dtype must be float16 or "
+              "bfloat16, got ", dtype);
+  TORCH_CHECK(kind == kNvfp4 || scales.scalar_type() == dtype, "hf_w4 cuda_w4a16_dequant: int4 scales are ",
+              scales.scalar_type(), ", the requested dtype is ", dtype);
+  const c10::cuda::CUDAGuard guard(qpack.device());
+  at::Tensor w = at::empty({n, k}, qpack.options().dtype(dtype));
+  C10_CUDA_CHECK(w4a16_dequant(qpack.data_ptr<int32_t>(), scales.data_ptr(),
+                               kind == kInt4Asym ? zeros->data_ptr<uint8_t>() : nullptr, w.data_ptr(), (int)n,
+                               (int)((n + 63) / 64 * 64), (int)k, kind == kNvfp4 ? 16 : (int)group_size,
+                               (float)global_scale, kind, dtype == at::kBFloat16,
+                               c10::cuda::getCurrentCUDAStream()));
+  return w;
+}
+
+std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weight_type_sv, bool asym, bool bf16) {
+  const std::string weight_type(weight_type_sv);
+  TORCH_CHECK(weight_type == "int4" || weight_type == "nvfp4", "hf_w4 cuda_w4a16_plan: weight_type '", weight_type,
+              "' is not supported; supported: int4, nvfp4");
+  TORCH_CHECK(m > 0 && n > 0 && k > 0 && k % 16 == 0, "hf_w4 cuda_w4a16_plan: M=", m, ", N=", n, ", K=", k,
+              ": expected positive sizes and K a multiple of 16");
+  const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
+  int bps = 0;
+  const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace hf_w4
+
+TORCH_LIBRARY_IMPL(hf_w4, CUDA, m) {
+  m.impl("cuda_w4a16_gemm", &hf_w4::cuda::gemm);
+  m.impl("cuda_w4a16_dequant", &hf_w4::cuda::dequant);
+}
+
+TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
+  m.impl("cuda_w4a16_plan", &hf_w4::cuda::plan);
+}

@@ -1,0 +1,202 @@
+"""Speed of the cuda_w4a16 kernels against dense F.linear on one GPU (run by tests/gpu/run.sh).
+
+Per Llama-3 layer shape (N x K: 4096x4096, 14336x4096, 4096x14336, 28672x8192) and M: dense F.linear in fp16 and
+bf16, int4 (group 128, symmetric) and NVFP4 in fp16 and bf16 through the layer's own choice (fused kernel below
+HF_W4_CUDA_LARGE_M rows, dequantize + cuBLAS from there), both paths separately (the crossover), and
+torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
+the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
+replays. Columns: microseconds per call, speed-up over dense in the same
+dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
+last, the path the layer takes at this M (bf16): "deq+mm", or "fused" with the fused kernel's k splits and resident
+blocks per SM for int4 / NVFP4.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_w4.kernels import cuda_w4a16 as cw
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]   # (N, K)
+MS = [1, 4, 16, 64, 256, 1024, 2048]
+ROUNDS = 7
+L2_BYTES = 50 << 20
+
+
+def peak_bandwidth() -> float:
+    name = torch.cuda.get_device_name()
+    for key, tbs in (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0), ("L40", 0.864)):
+        if key in name:
+            return tbs * 1e12
+    return float(os.environ.get("HF_W4_BENCH_PEAK_TBS", "3.35")) * 1e12
+
+
+ERRORS = []
+
+
+def timed(fn, copies: int, calls: int) -> float:
+    """Median microseconds per call, GPU time: ``calls`` calls (call i on weight copy i % copies) captured in one
+    CUDA graph and replayed (eager launches would measure the CPU's launch rate at small M, not the kernels).
+    A failure is recorded in ERRORS and gives NaN: the table goes on."""
+    try:
+        return _timed(fn, copies, calls)
+    except Exception as e:  # noqa: BLE001 - reported at the end
+        ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def _timed(fn, copies: int, calls: int) -> float:
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for i in range(min(copies, 3)):
+            fn(i)
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ROUNDS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def packed(n: int, k: int, wt: str, copies: int):
+    """Random weights already in the kernel layout (every bit pattern is a valid code): (qpack, scales) copies."""
+    out = []
+    for _ in range(copies):
+        q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 16, n // 64, 32, 4), dtype=torch.int32, device="cuda")
+        if wt == "nvfp4":
+            s = torch.randint(0x20, 0x48, (k // 16, n // 64, 8, 8), dtype=torch.uint8, device="cuda")
+            out.append((q, s, s))
+        else:
+            s = torch.rand(k // 128, n // 64, 8, 8, device="cuda") * 0.01 + 0.001
+            out.append((q, s.half(), s.bfloat16()))
+    return out
+
+
+def path(m: int, n: int, k: int, large: int) -> str:
+    """The layer's path at M rows (bf16): dequantize + cuBLAS, or the fused kernel's splits and blocks per SM."""
+    if m >= large:
+        return "deq+mm"
+    try:
+        i4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
+        f4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "nvfp4", False, True)
+    except Exception as e:  # noqa: BLE001 - a report column only
+        return f"fused (plan n/a: {type(e).__name__})"
+    return f"fused mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
+
+
+def main() -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ok, why = cw.CudaW4A16Kernel.is_supported()  # loads (or JIT-builds) the CUDA library
+    if not ok:
+        print(f"cuda_w4a16 is not usable here: {why}")
+        return 1
+    peak = peak_bandwidth()
+    large = cw.large_m()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
+          f"bandwidth {peak / 1e12:.2f} TB/s; fused kernel below M={large}, dequantize + cuBLAS from there")
+    hdr = (f"{'N x K':>12} {'M':>5} | {'fp16':>8} {'bf16':>8} | {'i4 fp16':>8} {'x':>5} {'i4 bf16':>8} {'x':>5} "
+           f"{'GB/s':>6} {'%bw':>4} | {'fp4 fp16':>8} {'x':>5} {'fp4 bf16':>8} {'x':>5} {'GB/s':>6} {'%bw':>4} | "
+           f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5} | path")
+    targets = []
+    int4pack_note = None
+    for n, k in SHAPES:
+        print(hdr)
+        dense_bytes = n * k * 2
+        cd = max(2, -(-4 * L2_BYTES // dense_bytes))
+        dense = {dt: [torch.randn(n, k, device="cuda").mul_(0.02).to(dt) for _ in range(cd)]
+                 for dt in (torch.float16, torch.bfloat16)}
+        i4_bytes = n * k // 2 + (k // 128) * n * 2
+        f4_bytes = n * k // 2 + (k // 16) * n
+        cq = max(2, -(-4 * L2_BYTES // i4_bytes))
+        i4 = packed(n, k, "int4", cq)
+        f4 = packed(n, k, "nvfp4", cq)
+        i4pack = None
+        try:  # torch's own int4 GEMM (bf16, tinygemm layout) where this build has it on CUDA
+            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+            wq = torch._convert_weight_to_int4pack(codes, 8)
+            sz = torch.rand(k // 128, n, 2, device="cuda").to(torch.bfloat16)
+            i4pack = [(wq.clone(), sz) for _ in range(cq)]
+            torch._weight_int4pack_mm(torch.randn(1, k, device="cuda").bfloat16(), i4pack[0][0], 128, sz)
+        except Exception as e:  # noqa: BLE001 - reported once
+            i4pack = None
+            int4pack_note = int4pack_note or f"torch._weight_int4pack_mm on CUDA: n/a ({type(e).__name__}: {str(e)[:120]})"
+        for m in MS:
+            x = {dt: torch.randn(m, k, device="cuda").to(dt) for dt in (torch.float16, torch.bfloat16)}
+            calls = 20 if m <= 64 else 5
+            t = {}
+            for dt, tag in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+                t[tag] = timed(lambda i, dt=dt: F.linear(x[dt], dense[dt][i]), cd, calls)
+
+                def run(i, w, wt, path, dt=dt):
+                    q, s16, sbf = w[i]
+                    s = s16 if dt == torch.float16 else sbf
+                    gs = 16 if wt == "nvfp4" else 128
+                    if path == "fused" or (path == "auto" and m < large):
+                        return torch.ops.hf_w4.cuda_w4a16_gemm(x[dt], q, s, None, None, n, gs, wt, 1.0)
+                    return F.linear(x[dt], torch.ops.hf_w4.cuda_w4a16_dequant(q, s, None, n, k, gs, wt, 1.0, dt))
+                t["i4 " + tag] = timed(lambda i, r=run: r(i, i4, "int4", "auto"), cq, calls)
+                t["f4 " + tag] = timed(lambda i, r=run: r(i, f4, "nvfp4", "auto"), cq, calls)
+                if dt == torch.bfloat16:
+                    t["i4 fused"] = timed(lambda i, r=run: r(i, i4, "int4", "fused"), cq, calls)
+                    t["i4 deq"] = timed(lambda i, r=run: r(i, i4, "int4", "dense"), cq, calls)
+            tp = None
+            if i4pack is not None:
+                try:
+                    tp = timed(lambda i: torch._weight_int4pack_mm(x[torch.bfloat16], i4pack[i][0], 128,
+                                                                   i4pack[i][1]), cq, calls)
+                except Exception as e:  # noqa: BLE001 - reported once, the table goes on
+                    int4pack_note = f"torch._weight_int4pack_mm timing failed: {type(e).__name__}: {str(e)[:120]}"
+                    i4pack = None
+            sp = {key: t[key[3:]] / t[key] for key in ("i4 fp16", "i4 bf16", "f4 fp16", "f4 bf16")}
+            gb_i4 = i4_bytes / (t["i4 bf16"] * 1e-6) / 1e9
+            gb_f4 = f4_bytes / (t["f4 bf16"] * 1e-6) / 1e9
+            print(f"{f'{n}x{k}':>12} {m:>5} | {t['fp16']:8.1f} {t['bf16']:8.1f} | {t['i4 fp16']:8.1f} "
+                  f"{sp['i4 fp16']:5.2f} {t['i4 bf16']:8.1f} {sp['i4 bf16']:5.2f} {gb_i4:6.0f} "
+                  f"{gb_i4 * 1e9 / peak * 100:4.0f} | {t['f4 fp16']:8.1f} {sp['f4 fp16']:5.2f} {t['f4 bf16']:8.1f} "
+                  f"{sp['f4 bf16']:5.2f} {gb_f4:6.0f} {gb_f4 * 1e9 / peak * 100:4.0f} | {t['i4 fused']:8.1f} "
+                  f"{t['i4 deq']:8.1f} | " + (f"{tp:8.1f} {t['bf16'] / tp:5.2f}" if tp else f"{'n/a':>8} {'':>5}")
+                  + f" | {path(m, n, k, large)}")
+            worst_i4, worst_f4 = min(sp["i4 fp16"], sp["i4 bf16"]), min(sp["f4 fp16"], sp["f4 bf16"])
+            if m <= 16:
+                targets.append((f"{n}x{k} M={m} int4 >= 3.0x", worst_i4 >= 3.0, worst_i4))
+                targets.append((f"{n}x{k} M={m} nvfp4 >= 2.8x", worst_f4 >= 2.8, worst_f4))
+            elif m == 64:
+                targets.append((f"{n}x{k} M=64 int4 >= 2x", worst_i4 >= 2.0, worst_i4))
+                targets.append((f"{n}x{k} M=64 nvfp4 >= 2x", worst_f4 >= 2.0, worst_f4))
+            elif m >= 1024:
+                targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
+                targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
+        del dense, i4, f4, i4pack
+        torch.cuda.empty_cache()
+    if int4pack_note:
+        print(int4pack_note)
+    for err in dict.fromkeys(ERRORS):
+        print("ERROR while timing:", err)
+    met = sum(ok for _, ok, _ in targets)
+    print(f"speed targets (worst of fp16 / bf16): {met} of {len(targets)} met")
+    for what, ok, v in targets:
+        print(f"  {'MET   ' if ok else 'MISSED'} {what}: {v:.2f}x")
+    return 1 if ERRORS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

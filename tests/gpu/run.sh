@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA kernels, on a fresh CUDA machine with only this source tree and a CUDA build of torch:
+# environment, JIT build of csrc/cuda (timed), the CPU-side arithmetic tests, the GPU kernel tests, the GPU model
+# tests, the benchmark. Every stage has a time limit and prints PASS / FAIL; a failed stage does not stop the
+# others. The CPU op library is not built here (HF_W4_NO_EXT=1): the pure-PyTorch reference is the oracle.
+# Output also goes to $OUT/gpu.log when OUT is set. Exit status 0 only if every stage passed.
+#   bash tests/gpu/run.sh
+set -u
+cd "$(dirname "$0")/../.." || exit 2
+ROOT=$(pwd)
+export PYTHONUNBUFFERED=1 HF_W4_NO_EXT=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export MAX_JOBS=${MAX_JOBS:-16}
+export HF_W4_CUDA_BUILD_DIR=${HF_W4_CUDA_BUILD_DIR:-/tmp/hf_w4_cuda_build}
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/gpu.log") 2>&1
+fi
+
+failed=()
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo
+  echo "=== $name (limit ${limit}s): $*"
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
+    echo "=== PASS $name ($(( $(date +%s) - t0 ))s)"
+  else
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && rc="$rc (time limit)"
+    echo "=== FAIL $name: exit $rc ($(( $(date +%s) - t0 ))s)"
+    failed+=("$name")
+  fi
+}
+
+T0=$(date +%s)
+stage environment 20 bash -c 'nvidia-smi -L; nvcc --version | tail -n 2; gcc --version | head -n 1;
+  python -c "import sys, torch, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__,
+  \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); print(torch.cuda.get_device_name(0),
+  torch.cuda.get_device_capability(0))"'
+stage jit-build 90 python -c '
+import time
+from hf_w4 import _ext
+t = time.time()
+ok = _ext.load_cuda()
+print(f"JIT build + load of csrc/cuda: {time.time() - t:.1f}s in {_ext.cuda_build_dir()}:", "ok" if ok else _ext.cuda_load_error())
+from hf_w4.kernels.cuda_w4a16 import CudaW4A16Kernel
+print("cuda_w4a16.is_supported():", CudaW4A16Kernel.is_supported())
+raise SystemExit(0 if ok else 1)'
+stage host-arithmetic 30 python -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_cuda_w4a16.py -k "not nvcc"
+stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_kernels.py
+stage gpu-models 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_models.py -k "not compile and not graph and not generate"
+stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
+stage benchmark 90 python tests/gpu/bench_cuda.py
+
+echo
+echo "=== total $(( $(date +%s) - T0 ))s; failed stages: ${failed[*]:-none}"
+[ "${#failed[@]}" -eq 0 ] && echo "=== OVERALL PASS" || echo "=== OVERALL FAIL"
+[ "${#failed[@]}" -eq 0 ]

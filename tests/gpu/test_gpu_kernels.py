@@ -1,0 +1,181 @@
+"""cuda_w4a16 on a GPU: the fused kernel, the dequantize kernel + dense GEMM and the layer's automatic choice
+against the exact weights, for every layout x group size x fp16 / bf16 x M in {1, 3, 16, 64, 257, 2048}.
+
+Error budget (elementwise; Wk = the weight the kernels multiply by, computed exactly on the host side by
+tests/cuda_cases.kernel_dtype_weight, whose arithmetic tests/kernels/test_cuda_w4a16.py checks bit for bit; u = 2^-11 for
+fp16, 2^-8 for bf16; A = |x| @ |Wk|^T): the products x * Wk are exact in the mma and summed in fp32, the result is
+rounded once to x's dtype, so |y - x @ Wk^T| <= u * |x @ Wk^T| + 1e-5 * A. The dense path's GEMM may reduce in
+x's dtype (cuBLAS split-K with reduced-precision reductions): + 4u * A there. Against the fp32 weight of
+layouts.dequantize the int4 weights differ by the scale's and the product's rounding (<= 2u relative per weight):
+the model tests compare whole models."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
+
+from cuda_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight  # noqa: E402
+from hf_w4.kernels import cuda_w4a16 as cw  # noqa: E402
+
+MS = (1, 3, 16, 64, 257, 2048)
+LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
+U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_library_builds_and_is_selected():
+    ok, why = cw.CudaW4A16Kernel.is_supported()
+    assert ok, why
+
+
+def _layer(spec, qw):
+    layer = torch.nn.Module()
+    kern = cw.CudaW4A16Kernel(spec, qw.n, qw.k)
+    kern.prepare(layer, qw)
+    return kern, layer
+
+
+def _check(y, x, wk, scale, bias, u, dense, what):
+    ref = (x.float() @ wk.float().t()) * scale
+    a = (x.float().abs() @ wk.float().abs().t()) * abs(scale)
+    if bias is not None:
+        ref = ref + bias.float()
+    tol = u * ref.abs() + (1e-5 + (4 * u if dense else 0.0)) * a + 1e-30
+    err = (y.float() - ref).abs()
+    assert torch.isfinite(y).all(), f"{what}: non-finite output"
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the budget; worst err "
+                           f"{float((err - tol).max()):.3e} over, at {tuple(int(v) for v in bad.nonzero()[0])}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
+def test_kernels_against_exact_weights(case, gs, dtype):
+    _, layout, sym, ao, zp1 = case
+    u = U[dtype]
+    shapes = [(192, 576 if gs != 128 else 640), (200, 1024), (1024, 2048)]
+    for n, k in shapes:
+        spec, qw = make_qweight(layout, n, k, gs, sym, ao, zp1, seed=n + k, device="cuda")
+        kern, layer = _layer(spec, qw)
+        nv = qw.weight_type == "nvfp4"
+        w_fused = kernel_dtype_weight(qw, dtype, global_scale=not nv)   # nvfp4: global scale on the accumulator
+        w_dense = kernel_dtype_weight(qw, dtype, global_scale=True)
+        g = kern.global_scale if nv else 1.0
+        b = layer._buffers
+        gen = torch.Generator(device="cuda").manual_seed(k)
+        bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(dtype) if n == 200 else None
+        assert torch.equal(kern.dense_weight(layer, dtype),
+                           w_dense[:, b["cuda_w4a16_perm"]] if b["cuda_w4a16_perm"] is not None else w_dense)
+        for m in MS:
+            what = f"{layout} g{gs} {dtype} N={n} K={k} M={m}"
+            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+            xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
+            y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"],
+                                                bias, n, kern.group_size, kern.weight_type, kern.global_scale)
+            _check(y, x, w_fused, g, bias, u, False, "fused " + what)
+            y2 = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"],
+                                                 bias, n, kern.group_size, kern.weight_type, kern.global_scale)
+            assert torch.equal(y, y2), f"fused {what}: two runs differ (split-K must be deterministic)"
+            ya = kern.apply(layer, x.view(1, m, k), bias)
+            assert ya.shape == (1, m, n) and ya.dtype == dtype
+            dense = m >= kern.large_m
+            _check(ya[0], x, w_dense if dense else w_fused, 1.0 if dense else g, bias, u, dense, "apply " + what)
+        torch.cuda.synchronize()
+
+
+def test_nvfp4_fp16_large_global_scale_does_not_overflow():
+    """e2m1 * e4m3 up to 2688 and a global scale that makes the weights small: the fp16 accumulation path must not
+    overflow or flush (the global scale is applied in fp32 at the end)."""
+    spec, qw = make_qweight("modelopt_nvfp4", 128, 256, 16, device="cuda")
+    qw.scales.fill_(0x7E)  # 448
+    qw.global_scale = 1e-4
+    kern, layer = _layer(spec, qw)
+    x = torch.full((4, 256), 30.0, device="cuda", dtype=torch.float16)
+    y = kern.apply(layer, x, None)
+    wk = kernel_dtype_weight(qw, torch.float16, global_scale=False)
+    _check(y, x, wk, 1e-4, None, 2.0 ** -11, False, "nvfp4 big scales")
+
+
+def test_bf16_small_e4m3_scales_do_not_underflow():
+    spec, qw = make_qweight("ct_nvfp4", 64, 64, 16, device="cuda")
+    qw.scales.fill_(0x01)  # 2^-9, the smallest E4M3 subnormal
+    kern, layer = _layer(spec, qw)
+    x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    y = kern.apply(layer, x, None)
+    wk = kernel_dtype_weight(qw, torch.bfloat16, global_scale=False)
+    assert wk.abs().max() > 0
+    _check(y, x, wk, kern.global_scale, None, 2.0 ** -8, False, "nvfp4 tiny scales")
+    assert y.abs().max() > 0
+
+
+def test_compile_and_cuda_graph_of_the_op():
+    spec, qw = make_qweight("gptq", 512, 1024, 128, sym=False, device="cuda")
+    kern, layer = _layer(spec, qw)
+    x = torch.randn(8, 1024, device="cuda").to(torch.bfloat16)
+    eager = kern.apply(layer, x, None)
+    compiled = torch.compile(lambda t: kern.apply(layer, t, None))
+    assert torch.equal(compiled(x), eager)
+    static = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kern.apply(layer, static, None)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kern.apply(layer, static, None)
+    static.copy_(x * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kern.apply(layer, x * 2, None))
+
+
+def test_autograd_input_gradient():
+    spec, qw = make_qweight("ct_pack", 128, 256, 64, device="cuda")
+    kern, layer = _layer(spec, qw)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kern.apply(layer, x, None).float().sum().backward()
+    w = kernel_dtype_weight(qw, torch.bfloat16).float()
+    torch.testing.assert_close(x.grad.float(), w.sum(0).expand(3, -1), rtol=2 ** -7, atol=1e-3)
+
+
+def test_opcheck():
+    """Schemas, fake implementations and the autograd registration of the CUDA ops agree with the kernels."""
+    spec, qw = make_qweight("ct_pack", 64, 256, 64, sym=False, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    s = kern._scales(b, torch.bfloat16)
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (x, b["cuda_w4a16_q"], s, b["cuda_w4a16_z"], None, 64, 64,
+                                                             "int4", 1.0))
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_dequant, (b["cuda_w4a16_q"], s, b["cuda_w4a16_z"], 64, 256, 64,
+                                                               "int4", 1.0, torch.bfloat16))
+    spec, qw = make_qweight("modelopt_nvfp4", 64, 256, 16, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    xg = torch.randn(2, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(64, device="cuda", dtype=torch.float16, requires_grad=True)
+    torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (xg, b["cuda_w4a16_q"], b["cuda_w4a16_s"], None, bias, 64,
+                                                             16, "nvfp4", 0.5))
+
+
+def test_plan_reports_a_split_covering_k():
+    """cuda_w4a16_plan (the benchmark's path column) gives the work split the fused kernel runs: every k16 step in
+    exactly one split, enough m-blocks for M rows, one tile per 64 columns, at least one resident block per SM."""
+    assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
+    for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
+                              (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
+        mt, mblocks, ntiles, splits, steps, bps = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        assert mt in (1, 2, 4) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
+        assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
+        assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
+    with pytest.raises(RuntimeError, match="weight_type 'int8' is not supported"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)

@@ -1,0 +1,124 @@
+"""cuda_w4a16 end to end on a GPU: checkpoints in every 4-bit format, written by hf_w4's writers, load with
+device_map="cuda" onto the CUDA kernel and give the logits of the CPU path (the reference kernel, fp32: cosine >=
+0.9999), save back bit-exact, generate, and run under torch.compile and a CUDA graph."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import hf_w4  # noqa: E402
+from hf_w4.tools import writers  # noqa: E402
+from hf_w4.nn import QuantLinear  # noqa: E402
+
+FORMATS = [("gptq", dict(sym=True)), ("gptq", dict(sym=False, group_size=64, desc_act=True)),
+           ("gptq", dict(sym=False, checkpoint_format="gptq_v2", group_size=32)), ("autoround", dict(sym=True)),
+           ("autoround-awq", dict(sym=False)), ("awq", dict(sym=False)), ("ct-w4a16", dict(sym=True)),
+           ("ct-w4a16", dict(sym=False, group_size=32)), ("ct-w4a16", dict(sym=True, group_size=-1)),
+           ("ct-nvfp4", dict()), ("modelopt-w4a16", dict()), ("modelopt-nvfp4", dict())]
+IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in FORMATS]
+
+pytestmark = pytest.mark.usefixtures("hf_w4_installed")
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny_llama):
+    cache = {}
+
+    def get(fmt, opts):
+        key = (fmt, tuple(sorted(opts.items())))
+        if key not in cache:
+            cache[key] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "c"), fmt, **opts)
+        return cache[key]
+    return get
+
+
+def _ids(device):
+    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("fmt,opts", FORMATS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_from_pretrained_cuda_matches_cpu_path(written, fmt, opts, dtype, tmp_path):
+    res = written(fmt, opts)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=dtype, device_map="cuda")
+    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert qls and all(m.kernel.NAME == "cuda_w4a16" for m in qls), \
+        {m.name: (str(m.kernel), m.kernel_reasons) for m in qls if m.kernel.NAME != "cuda_w4a16"}
+    cpu = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
+    with torch.no_grad():
+        y = model(_ids("cuda")).logits
+        ref = cpu(_ids("cpu")).logits
+    cos = _cos(y.cpu(), ref)
+    assert cos >= 0.9999, f"{fmt} {opts} {dtype}: cosine {cos:.6f} to the CPU path's logits"
+    if dtype == torch.bfloat16:  # as on disk: every tensor comes back bit-exact after the GPU repack
+        model.save_pretrained(tmp_path / "re")
+        a = load_file(os.path.join(res.path, "model.safetensors"))
+        b = load_file(tmp_path / "re" / "model.safetensors")
+        assert set(a) == set(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
+                               b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
+
+
+@pytest.fixture(scope="module")
+def gptq_cuda(written):
+    res = written("gptq", dict(sym=True))
+    hf_w4.install()  # a module fixture is made before the function-scoped hf_w4_installed; the model stays hf_w4's
+    return AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16, device_map="cuda")
+
+
+def test_generate(gptq_cuda):
+    out = gptq_cuda.generate(_ids("cuda"), max_new_tokens=8, do_sample=False)
+    assert out.shape == (2, 20)
+
+
+def test_cuda_graph_of_the_model(gptq_cuda):
+    """A whole forward (no cache) captured in a CUDA graph and replayed on new tokens."""
+    ids, other = _ids("cuda"), torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        want = gptq_cuda(other, use_cache=False).logits
+        static = ids.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            gptq_cuda(static, use_cache=False)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gptq_cuda(static, use_cache=False).logits
+        static.copy_(other)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _cos(out, want) >= 0.9999
+
+
+def test_compile_model(gptq_cuda):
+    ids = _ids("cuda")
+    with torch.no_grad():
+        eager = gptq_cuda(ids, use_cache=False).logits
+        compiled = torch.compile(gptq_cuda)
+        assert _cos(compiled(ids, use_cache=False).logits, eager) >= 0.9999
+
+
+def test_reference_kernel_runs_on_cuda(written, monkeypatch):
+    """The pure-PyTorch reference (HF_W4_KERNEL=torch_reference) on CUDA tensors agrees with the CUDA kernel."""
+    res = written("ct-w4a16", dict(sym=False, group_size=32))
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16, device_map="cuda")
+    monkeypatch.setenv("HF_W4_KERNEL", "torch_reference")
+    ref = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16, device_map="cuda")
+    assert all(m.kernel.NAME == "torch_reference" for m in ref.modules() if isinstance(m, QuantLinear))
+    with torch.no_grad():
+        assert _cos(model(_ids("cuda")).logits, ref(_ids("cuda")).logits) >= 0.9999

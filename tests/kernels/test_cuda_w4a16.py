@@ -1,0 +1,206 @@
+"""cuda_w4a16 on a machine without a GPU: the device sources compile (nvcc, sm_80 + sm_90, warnings as errors), the
+shared host/device arithmetic (csrc/cuda/w4a16_math.cuh, built with g++ as a ctypes library) reproduces
+layouts.dequantize bit for bit for every layout, the repack's index maps invert, and the kernel class declines CPU
+layers with its reasons. The GPU itself is tested in tests/gpu/.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from cuda_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight
+from hf_w4 import layouts
+from hf_w4.kernels import cuda_w4a16 as cw
+from hf_w4.kernels import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CUDA_SRC = os.path.join(ROOT, "csrc", "cuda")
+NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                                if os.environ.get("CUDA_HOME") else None)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH or CUDA_HOME): the CUDA sources cannot be compiled")
+@pytest.mark.parametrize("src", sorted(os.path.basename(p) for p in glob.glob(os.path.join(CUDA_SRC, "*.cu"))))
+def test_nvcc_compiles_sm80_sm90_werror(src, tmp_path):
+    # with the defines torch's extension builds pass (no implicit half / bfloat16 operators or conversions)
+    cmd = [NVCC, "-std=c++20", "-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode",
+           "arch=compute_90,code=sm_90", "-Werror", "all-warnings", "-D__CUDA_NO_HALF_OPERATORS__",
+           "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+           "--expt-relaxed-constexpr", "-I", CUDA_SRC, "-c",
+           os.path.join(CUDA_SRC, src), "-o", str(tmp_path / "out.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found: the host build of w4a16_math.cuh cannot be compiled")
+    out = tmp_path_factory.mktemp("w4host") / "libw4a16_host.so"
+    cmd = [cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-I", CUDA_SRC,
+           os.path.join(ROOT, "tests", "kernels", "cuda_host", "w4a16_host.cpp"), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+    lib = ctypes.CDLL(str(out))
+    lib.hf_w4_host_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
+    lib.hf_w4_host_check_plan.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)]
+    for f in ("hf_w4_host_e2m1", "hf_w4_host_e4m3", "hf_w4_host_int4", "hf_w4_host_f16_round"):
+        getattr(lib, f).restype = ctypes.c_uint32
+    lib.hf_w4_host_f16_round.argtypes = [ctypes.c_float]
+    return lib
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+@pytest.mark.parametrize("npad,k", [(64, 16), (192, 576), (128, 4096)])
+def test_fragment_maps_invert_and_cover(host, npad, k):
+    assert host.hf_w4_host_check_maps(npad, k) == 0
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 100, 257, 2048])
+@pytest.mark.parametrize("npad,k", [(192, 576), (4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192),
+                                    (64, 16), (64, 144)])
+@pytest.mark.parametrize("slots", [132 * 4, 108 * 2, 1])
+def test_work_split_covers_k_once(host, m, npad, k, slots):
+    splits = ctypes.c_int()
+    assert host.hf_w4_host_check_plan(m, npad, k, slots, ctypes.byref(splits)) == 0
+    assert splits.value >= 1
+    if (m, npad, k, slots) == (1, 4096, 4096, 528):  # 64 column tiles x 8 splits: one full wave on an H100
+        assert splits.value == 8
+
+
+def _half_bits(bits, dtype):
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).float().item()
+
+
+def test_host_fp16_rounding_matches_torch(host):
+    """The host emulation's float -> fp16 rounding (ties, subnormals, overflow) is torch's."""
+    gen = torch.Generator().manual_seed(0)
+    vals = torch.cat([torch.randn(4000, generator=gen) * 10.0 ** torch.randint(-9, 6, (4000,), generator=gen),
+                      torch.tensor([65504.0, 65519.0, 65520.0, 1e6, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 0.0,
+                                    -0.0, 2049.0, 2051.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])])
+    got = torch.tensor([host.hf_w4_host_f16_round(float(v)) for v in vals], dtype=torch.int32)
+    assert torch.equal(got.to(torch.int16), vals.to(torch.float16).view(torch.int16).to(torch.int16))
+
+
+def test_bit_tricks_exhaustive(host):
+    for code in range(16):  # E2M1: fp16 value * 2^14 is the code's value
+        assert _half_bits(host.hf_w4_host_e2m1(code), torch.float16) * 2.0 ** 14 == layouts.E2M1_VALUES[code]
+    for b in range(256):  # E4M3: every finite byte decodes exactly, subnormals included
+        if b & 0x7F == 0x7F:
+            continue
+        want = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+        assert _half_bits(host.hf_w4_host_e4m3(b), torch.float16) == want, hex(b)
+    assert host.hf_w4_host_check_zero_pair() == 0  # the PRMT form of the zero-point pair
+    for dt, bf in ((torch.float16, 0), (torch.bfloat16, 1)):  # magic numbers: (bias + v) - (bias + z) = v - z
+        for v in range(16):
+            for z in range(128):
+                assert _half_bits(host.hf_w4_host_int4(v, z, bf), dt) == v - z, (dt, v, z)
+
+
+def _prepared(spec, qw):
+    layer = torch.nn.Module()
+    kern = cw.CudaW4A16Kernel(spec, qw.n, qw.k)
+    kern.prepare(layer, qw)
+    return kern, layer
+
+
+def _host_weight(host, kern, layer, dtype, apply_global):
+    n, k = kern.n, kern.k
+    b = layer._buffers
+    kind = 2 if kern.weight_type == "nvfp4" else (1 if b["cuda_w4a16_z"] is not None else 0)
+    scales = kern._scales(b, dtype)
+    out = torch.empty(n, k, dtype=torch.int16)
+    host.hf_w4_host_dequant(_ptr(b["cuda_w4a16_q"]), _ptr(scales), _ptr(b["cuda_w4a16_z"]), n, cw._npad(n), k,
+                            kern.group_size, kind, int(dtype == torch.bfloat16), int(apply_global),
+                            kern.global_scale, _ptr(out))
+    w = out.view(dtype)
+    perm = b["cuda_w4a16_perm"]
+    if perm is not None:  # the kernel's column k' is the checkpoint's column perm[k']
+        w = torch.empty_like(w).index_copy_(1, perm, w)
+    return w
+
+
+# every int4 layout with every group size; NVFP4 has one (16)
+LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
+def test_host_arithmetic_matches_layouts_dequantize(host, case, gs, dtype):
+    """The kernels' weights (the fused kernel's mma operands and the dequantize kernel's output), computed by the
+    shared header on the host, equal layouts.dequantize rounded as the kernels round it - bit for bit."""
+    _, layout, sym, ao, zp1 = case
+    n, k = 192, 576 if gs in (16, 32, 64, -1) else 640
+    spec, qw = make_qweight(layout, n, k, gs, sym, ao, zp1, seed=hash((layout, gs)) % 1000)
+    kern, layer = _prepared(spec, qw)
+    for apply_global in (False, True):
+        got = _host_weight(host, kern, layer, dtype, apply_global)
+        want = kernel_dtype_weight(qw, dtype, global_scale=apply_global or qw.weight_type != "nvfp4")
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (layout, gs, dtype, apply_global)
+
+
+@pytest.mark.parametrize("n,k", [(192, 576), (72, 32), (8, 16), (4096, 64)])
+def test_repack_maps_invert(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    q = cw.pack_fragments(codes, chunk=3)
+    assert q.shape == (k // 16, cw._npad(n) // 64, 32, 4) and q.dtype == torch.int32
+    assert torch.equal(cw.unpack_fragments(q, n, k).long(), codes)
+    # the word / nibble of element (n, k) is where the map in w4a16_math.cuh says (its frag_pos, written out)
+    nn, kk = n - 1, k - 3
+    nt, sub, g, kt, r = nn // 64, (nn % 64) // 8, nn % 8, kk // 16, kk % 16
+    word = q[kt, nt, 4 * g + (r % 8) // 2, sub // 2].item() & 0xFFFFFFFF
+    assert (word >> 4 * (4 * (r % 2) + 2 * (sub % 2) + r // 8)) & 15 == codes[nn, kk]
+    s = torch.randn(n, 5, generator=gen)
+    sp = cw.pack_groups(s)
+    assert sp.shape == (5, cw._npad(n) // 64, 8, 8)
+    assert torch.equal(cw.unpack_groups(sp, n), s)
+    assert sp[2, nn // 64, nn % 8, (nn % 64) // 8] == s[nn, 2]
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_unpack_codes_gives_the_checkpoint_tensor_back(case):
+    _, layout, sym, ao, zp1 = case
+    spec, qw = make_qweight(layout, 192, 256, 64, sym, ao, zp1, seed=3)
+    kern, layer = _prepared(spec, qw)
+    code = layouts.CODE_TENSOR[layout]
+    want = layouts.pack_codes(spec, layouts.unpack_codes(qw))
+    assert torch.equal(layouts.pack_codes(spec, kern.unpack_codes(layer)), want)
+    assert want.dtype == {"gptq": torch.int32, "awq": torch.int32, "ct_pack": torch.int32}.get(layout, torch.uint8)
+    assert code
+
+
+def test_prepare_rejects_zero_points_out_of_range():
+    spec, qw = make_qweight("ct_pack", 64, 64, 32, sym=False)
+    qw.zeros[3, 1] = 200.0
+    with pytest.raises(NotImplementedError, match=r"zero point 200.0 .*\[3, 1\].*0\.\.127"):
+        _prepared(spec, qw)
+
+
+def test_kernel_declines_cpu_and_odd_groups():
+    spec, _ = make_qweight("gptq", 64, 64, 32)
+    ok, why = cw.CudaW4A16Kernel.can_implement(spec, 64, 64, torch.device("cpu"), torch.bfloat16)
+    assert not ok and "device cpu" in why
+    odd = spec.replace(group_size=24)
+    ok, why = cw.CudaW4A16Kernel.can_implement(odd, 64, 96, torch.device("cuda"), torch.bfloat16)
+    assert not ok and "multiple of 16" in why
+    ok, why = cw.CudaW4A16Kernel.can_implement(spec, 64, 40, torch.device("cuda"), torch.bfloat16)
+    assert not ok and "K=40" in why
+    ok, why = cw.CudaW4A16Kernel.can_implement(spec, 64, 64, torch.device("cuda"), torch.float32)
+    assert not ok and "float32" in why
+    assert "cuda_w4a16" in [c.NAME for c in registry.kernels()]
+    if not torch.cuda.is_available():
+        ok, why = cw.CudaW4A16Kernel.is_supported()
+        assert not ok and "CUDA" in why
+        ok, why = cw.CudaW4A16Kernel.can_implement(spec, 64, 64, torch.device("cuda"), torch.bfloat16)
+        assert not ok and "CUDA library" in why
