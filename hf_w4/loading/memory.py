@@ -62,7 +62,8 @@ class CheckpointMaps:
 
     def _copy(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """``t`` on a copy of its storage read from the file, or None if it is not mapped from one."""
-        if not self.maps or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+        # plain CPU tensors only: a tensor subclass (a tensor-parallel DTensor) has no storage of its own to read into
+        if not self.maps or type(t) is not torch.Tensor or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
             return None
         s = t.untyped_storage()
         if s.data_ptr() in self._made:
