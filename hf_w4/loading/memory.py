@@ -62,7 +62,7 @@ class CheckpointMaps:
 
     def _copy(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """``t`` on a copy of its storage read from the file, or None if it is not mapped from one."""
-        # plain CPU tensors only: a tensor subclass (a tensor-parallel DTensor) has no storage of its own to read into
+        # plain CPU tensors only: a tensor subclass (a tensor-parallel DTensor) has no storage of its own
         if not self.maps or type(t) is not torch.Tensor or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
             return None
         s = t.untyped_storage()
@@ -95,7 +95,10 @@ class CheckpointMaps:
             return
         for m in module.modules() if recurse else (module,):
             for name, p in list(m._parameters.items()):
-                if p is not None and (v := self._copy(p.data)) is not None:
+                local = getattr(p, "_local_tensor", None)  # a tensor-parallel DTensor: its rank's tensor, in place
+                if local is not None and (v := self._copy(local)) is not None:
+                    local.set_(v)
+                elif p is not None and (v := self._copy(p.data)) is not None:
                     p.data = v  # the same Parameter object: ties and optimizers' references hold
             for name, b in list(m._buffers.items()):
                 if b is not None and (v := self._copy(b)) is not None:
