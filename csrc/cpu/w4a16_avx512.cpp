@@ -465,7 +465,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
                           int64_t ag, int64_t p0, int64_t p1) {
   fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, ByteLutDecode());
 }
-// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M > 8 with VBMI):
+// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M >= 8 with VBMI):
 // one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
@@ -476,7 +476,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
 // block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
 // row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
-// per-16-k kernel at M = 16-32, no faster up to M = 8, which keeps the per-16-k kernel). What is left against int4
+// per-16-k kernel at M = 16-32 and ~12 % at M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel). What is left against int4
 // is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane

@@ -48,12 +48,13 @@ struct W4Call {
   int dtype;    // DT_F32 / DT_BF16 / DT_F16 of x
 };
 
-// NVFP4 on the AVX-512 int16 path with VBMI folds its block scales into the int16 weights from this M on.
-inline bool i16_nvfp4_folded(const PathCaps& c, int64_t M) { return c.isa == CpuIsa::avx512 && c.vbmi && M > 8; }
+// NVFP4 on the AVX-512 int16 path with VBMI folds its block scales into the int16 weights from M = 8 on (Zen 5,
+// 1 thread, cold: M = 8 ~12 % faster folded; M = 3-6 ~25 % slower; docs/cpu-kernels.md, "M crossovers").
+inline bool i16_nvfp4_folded(const PathCaps& c, int64_t M) { return c.isa == CpuIsa::avx512 && c.vbmi && M >= 8; }
 
 // Activation block of the int16 path: the largest divisor of the group size that is a multiple of 4 and at most
 // 4096; 0 if none is >= 16 (no int16 path for that group size). NVFP4: 16, or with the block scales folded in
-// (AVX2 always, AVX-512 with VBMI for M > 8) the largest of 128, 64, 32 that divides K.
+// (AVX2 always, AVX-512 with VBMI for M >= 8) the largest of 128, 64, 32 that divides K.
 inline int64_t i16_block(const PathCaps& c, const W4Call& q) {
   if (c.isa == CpuIsa::generic) return 0;
   if (q.mode == W4_NVFP4) {

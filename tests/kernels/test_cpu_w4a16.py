@@ -9,7 +9,7 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
 * int16-activation path (path 3; auto for bf16 x at small M on AVX-512): x is rounded per block of the group
   to multiples of a power of two 2^e <= the block's max|x| / 2^14, so |dx| <= 2^-15 * max|x| of its group:
   + 2^-15 * B with B = (per-group max|x|) @ |W|^T
-  NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M > 8, scales folded into the weights) of L = 128 / 64 / 32 k
+  NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M >= 8, scales folded into the weights) of L = 128 / 64 / 32 k
   with 2^e also large enough that the block's sum of |x| / 2^e stays under ~745000 (int32 headroom), so
   |dx| <= max(2^-15 * max|x|, sum|x| / 745000) of its L-block; the budget takes the larger of the two schemes.
 """
@@ -770,7 +770,7 @@ def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("k", [384, 320, 224])
 def test_int16_path_nvfp4_folded_blocks(isa, k):
-    """NVFP4 on the int16 path above 8 rows (AVX-512 VBMI) or from 4 rows (AVX2): block scales folded into the int16
+    """NVFP4 on the int16 path from 8 rows (AVX-512 VBMI) or from 4 rows (AVX2): block scales folded into the int16
     weights, one flush per activation block of 128 / 64 / 32 k for K = 384 / 320 / 224: scales within a factor 8 of
     each other (one flush per activation block), then spread over 2^-9 .. 448 so that most blocks take one flush per
     16 k; rows of very different magnitude, outlier channels, with bias."""
@@ -784,7 +784,7 @@ def test_int16_path_nvfp4_folded_blocks(isa, k):
         qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
         W = layouts.dequantize(qw)
         q, s, z, perm = prep(qw)
-        for M in (9, 16, 33):
+        for M in (8, 9, 16, 33):
             x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
             x[:, ::37] *= 100
             x = x.to(torch.bfloat16)
