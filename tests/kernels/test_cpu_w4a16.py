@@ -512,7 +512,9 @@ def test_int16_path_nvfp4_shapes(isa, k):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    for M in (1, 2, 3, 4, 7, 8, 13):  # AVX-512: 7 = a block of 6 rows + 1, 8 = one block of 8, 13 = 6 + 6 + 1
+    # AVX-512: 2-7 activation blocks of up to 128 k (7 = a block of 6 rows + 1), 8 and 13 scales folded with VBMI
+    # (without: one block of 8, 6 + 6 + 1)
+    for M in (1, 2, 3, 4, 7, 8, 13):
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
@@ -770,8 +772,9 @@ def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("k", [384, 320, 224])
 def test_int16_path_nvfp4_folded_blocks(isa, k):
-    """NVFP4 on the int16 path from 8 rows (AVX-512 VBMI) or from 4 rows (AVX2): block scales folded into the int16
-    weights, one flush per activation block of 128 / 64 / 32 k for K = 384 / 320 / 224: scales within a factor 8 of
+    """NVFP4 on the int16 path with activation blocks of 128 / 64 / 32 k for K = 384 / 320 / 224: from 8 rows (AVX-512
+    VBMI) or from 4 rows (AVX2) block scales folded into the int16 weights, one flush per activation block; AVX-512 at
+    2-7 rows one FMA per 16-k block and row (M = 2, 5): scales within a factor 8 of
     each other (one flush per activation block), then spread over 2^-9 .. 448 so that most blocks take one flush per
     16 k; rows of very different magnitude, outlier channels, with bias."""
     n = 96
@@ -784,7 +787,7 @@ def test_int16_path_nvfp4_folded_blocks(isa, k):
         qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
         W = layouts.dequantize(qw)
         q, s, z, perm = prep(qw)
-        for M in (8, 9, 16, 33):
+        for M in (2, 5, 8, 9, 16, 33):
             x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
             x[:, ::37] *= 100
             x = x.to(torch.bfloat16)
