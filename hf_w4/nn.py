@@ -7,9 +7,15 @@ bias is a parameter. The selected kernel's repacked copy lives in non-persistent
 the codes back exactly (``Kernel.CAN_UNPACK_CODES``), the checkpoint's code tensor is dropped after the repack, so the
 packed weight is held once, and rebuilt from the kernel's copy whenever it is asked for (``state_dict``,
 ``save_pretrained``, ``dequantize``, a new kernel); ``HF_W4_KEEP_CHECKPOINT_TENSORS=1`` keeps both copies.
+
+A layer that accelerate offloads (``device_map`` with ``"disk"``, or ``"cpu"`` next to an accelerator) holds nothing:
+its checkpoint tensors stay where accelerate keeps them (the checkpoint's own safetensors for ``"disk"``), packed and
+with their on-disk dtypes, and each forward brings them in, repacks them for the kernel, runs and lets both go
+(:meth:`QuantLinear.offload_to`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -53,6 +59,9 @@ class QuantLinear(nn.Module):
         # set once check_loaded has passed: a plain attribute, so copies (deepcopy, pickle) and parameters
         # re-registered later (a new kernel, load_state_dict) keep it; transformers' own mark does not survive them
         self._loaded = False
+        self._offload_source = None  # accelerate's weights map of an offloaded layer (offload_to)
+        self._offload_device: Optional[torch.device] = None  # where it runs
+        self._meta: Dict[str, torch.Tensor] = {}  # its tensors' meta placeholders
 
     @property
     def held_features(self) -> Tuple[int, int]:
@@ -65,7 +74,10 @@ class QuantLinear(nn.Module):
 
     # -- tensors
     def checkpoint_tensors(self) -> Dict[str, torch.Tensor]:
-        """The module's tensors exactly as in the checkpoint (a dropped code tensor is rebuilt)."""
+        """The module's tensors exactly as in the checkpoint (a dropped code tensor is rebuilt, an offloaded one read
+        from where accelerate keeps it)."""
+        if self._offload_source is not None:  # brought in for a forward, or read now
+            return {t: self._offloaded(t) if self._buffers[t].is_meta else self._buffers[t] for t in self.tensor_names}
         return {t: self._rebuild(t) if t in self._dropped else getattr(self, t) for t in self.tensor_names}
 
     def __getattr__(self, name: str):
@@ -106,16 +118,61 @@ class QuantLinear(nn.Module):
         kern = sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
         return own + kern
 
+    # -- offload
+    def offload_to(self, source, device=None) -> None:
+        """Keep the checkpoint tensors in ``source`` (a mapping tensor name -> tensor: accelerate's weights map of
+        this module) instead of in the layer; they are brought to ``device`` (default: as they come) to run. The
+        kernel's copy is built from them for each forward and dropped after it, so an offloaded layer holds packed
+        weights only while it runs."""
+        self._offload_source = source
+        self._offload_device = torch.device(device) if device is not None else None
+        for b in list(self._non_persistent_buffers_set):  # a kernel's copy
+            delattr(self, b)
+        for t in self.tensor_names:  # meta placeholders: state_dict / save_pretrained read them back from source
+            if t in self._dropped:
+                shape, dtype = self._dropped.pop(t)
+            else:
+                shape, dtype = tuple(self._buffers[t].shape), self._buffers[t].dtype
+            self._buffers[t] = torch.empty(shape, dtype=dtype, device="meta")
+        self._meta = {t: self._buffers[t] for t in self.tensor_names}
+
+    def _offloaded(self, t: str) -> torch.Tensor:
+        """Tensor ``t`` of an offloaded layer, as stored: accelerate must neither cast nor dequantize it."""
+        want = self._meta[t]
+        try:
+            v = self._offload_source[t]
+        except KeyError:
+            raise layouts.LayoutError(f"{self.name}.{t}: offloaded, but not in the offloaded weights (missing from the "
+                                      "checkpoint, or stored under another name)") from None
+        if tuple(v.shape) != tuple(want.shape) or v.dtype != want.dtype:
+            raise layouts.LayoutError(f"{self.name}.{t}: the offloaded tensor came back as {tuple(v.shape)} {v.dtype}, "
+                                      f"expected {tuple(want.shape)} {want.dtype} as in the checkpoint")
+        return v if self._offload_device is None else v.to(self._offload_device)  # a move, never a cast
+
+    @contextlib.contextmanager
+    def _brought_in(self):
+        """An offloaded layer's checkpoint tensors in place for the body; afterwards they and the kernel's copy go."""
+        try:
+            for t in self.tensor_names:
+                self._buffers[t] = self._offloaded(t)
+            yield
+        finally:
+            for b in list(self._non_persistent_buffers_set):
+                delattr(self, b)
+            self._buffers.update(self._meta)
+
     def check_loaded(self) -> None:
         """Raise if any tensor was not loaded from the checkpoint (transformers fills missing tensors with
         ``torch.empty_like``, i.e. uninitialised memory)."""
         for t in self.tensor_names + (("bias",) if self.bias is not None else ()):
+            if self._offload_source is not None:  # accelerate holds them (read, and checked, when the layer runs)
+                break
             if t in self._dropped:  # checked when it was loaded; now held by the kernel
                 continue
             p = getattr(self, t)
             if p.device.type == "meta":
-                raise layouts.LayoutError(f"{self.name}.{t}: still on the meta device after loading "
-                                          "(disk offload is not supported for quantized modules)")
+                raise layouts.LayoutError(f"{self.name}.{t}: still on the meta device after loading, and the layer "
+                                          "is not offloaded by accelerate")
             if not self._loaded and not getattr(p, "_is_hf_initialized", False):
                 raise layouts.LayoutError(f"{self.name}.{t}: missing from the checkpoint (expected {tuple(p.shape)} "
                                           f"{p.dtype}); refusing to run on uninitialised memory")
@@ -123,6 +180,13 @@ class QuantLinear(nn.Module):
 
     # -- kernel
     def select_kernel(self, dtype: torch.dtype, force: Optional[str] = None, deny: Sequence[str] = ()) -> None:
+        if self._offload_source is not None:  # chosen (and checked) on the tensors as stored, then let go
+            with self._brought_in():
+                self._select_kernel(dtype, force, deny)
+            return
+        self._select_kernel(dtype, force, deny)
+
+    def _select_kernel(self, dtype: torch.dtype, force: Optional[str], deny: Sequence[str]) -> None:
         tensors = {t: v.data for t, v in self.checkpoint_tensors().items()}  # before the old kernel's buffers go
         device = next(iter(tensors.values())).device
         n, k = self.held_features
@@ -139,7 +203,9 @@ class QuantLinear(nn.Module):
         self._kernel_request = (dtype, force, tuple(deny))
         # hold the packed weight once: the kernel's copy stands in for the checkpoint's code tensor if it can
         code = layouts.CODE_TENSOR.get(self.spec.layout)
-        if code in self.tensor_names and kernel.CAN_UNPACK_CODES and not keep_checkpoint_tensors():
+        if self._offload_source is not None:
+            pass  # the stored tensors are the one copy
+        elif code in self.tensor_names and kernel.CAN_UNPACK_CODES and not keep_checkpoint_tensors():
             if code not in self._dropped:
                 b = self._buffers.pop(code)
                 self._dropped[code] = (tuple(b.shape), b.dtype)
@@ -178,6 +244,10 @@ class QuantLinear(nn.Module):
                     f"K={k} (this rank's slice of in_features={self.in_features})")
             raise RuntimeError(f"{self.name}: input has {x.shape[-1]} features (shape {list(x.shape)}), expected "
                                f"{want}")
+        if self._offload_source is not None:
+            with self._brought_in():
+                self.kernel.prepare(self, self.quantized_weight())
+                return self.kernel.apply(self, x, self.bias)
         return self.kernel.apply(self, x, self.bias)
 
     def _apply(self, fn, recurse=True):

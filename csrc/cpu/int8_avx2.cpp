@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "common/convert.h"
 #include "common/dispatch.h"
 #include "int8_gemm.h"
 
@@ -258,16 +259,6 @@ inline void tile_avx2(const TileArgs& a) {
   else tile_plain<MR, OTF>(a);
 }
 
-HF_TAVX2I __m128i f32_to_bf16_8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-  r = _mm256_srli_epi32(r, 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 template <bool VNNI>
 struct TAvx2 {
   static constexpr int MR = VNNI ? 3 : 2;
@@ -298,7 +289,7 @@ struct TAvx2 {
         __m256 v = _mm256_mul_ps(_mm256_loadu_ps(cf + r * NR + n), sx);
         if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
         if (ot == OUT_F32) _mm256_storeu_ps((float*)out + r * ldo + n, v);
-        else if (ot == OUT_BF16) _mm_storeu_si128((__m128i*)((uint16_t*)out + r * ldo + n), f32_to_bf16_8(v));
+        else if (ot == OUT_BF16) _mm_storeu_si128((__m128i*)((uint16_t*)out + r * ldo + n), hf_w4::f32x8_to_bf16(v));
         else _mm_storeu_si128((__m128i*)((uint16_t*)out + r * ldo + n),
                               _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       }

@@ -100,8 +100,10 @@ bool w4a16_quant_x16_avx512(const void* x, int dtype, int64_t M, int64_t K, int6
 constexpr int kNvFoldD = 4;
 constexpr int64_t kNvFoldL1 = 2147483647 / (12 * 15 << kNvFoldD);
 // NVFP4 decodes its codes with vpermb where w4a16_vbmi_enabled() (AVX512-VBMI, and HF_W4_VBMI=0 not set; else
-// vpermw, bit-identical). With activation blocks ag > 16 (x quantized with l1max = kNvFoldL1) NVFP4 runs with its
-// block scales folded into the int16 weights (w4a16_path.h, i16_block, says when).
+// vpermw, bit-identical). With activation blocks ag > 16 (w4a16_path.h, i16_block, says when) NVFP4 runs from
+// kNvFoldMinM rows with its block scales folded into the int16 weights (x quantized with l1max = kNvFoldL1), below
+// it with one fp32 FMA per 16-k block and row (x quantized without the bound).
+constexpr int64_t kNvFoldMinM = 8;
 bool w4a16_vbmi_enabled();
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1);

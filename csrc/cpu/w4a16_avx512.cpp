@@ -198,10 +198,74 @@ constexpr bool kAsmLoops = false;
   HF_I16_ROW(XOFF, "x2", WL, WH, "a2", "b2") HF_I16_ROW(XOFF, "x3", WL, WH, "a3", "b3")                        \
   HF_I16_ROW(XOFF, "x4", WL, WH, "a4", "b4") HF_I16_ROW(XOFF, "x5", WL, WH, "a5", "b5")                        \
   HF_I16_ROW(XOFF, "x6", WL, WH, "a6", "b6") HF_I16_ROW(XOFF, "x7", WL, WH, "a7", "b7")
+// NVFP4 with activation blocks of ag = 16 nb k (below kNvFoldMinM rows): per 16-k block the int32 sums times the
+// block's column scales go into fp32 partial sums t (one FMA per row and column half), and t times the activation
+// scale into res once per activation block. With ag = 16 it took a multiply and an FMA per 16-k block and row: on
+// Zen 5 these kernels are bound by the multiply pipes that vpdpwssd shares (5-15 % faster at M = 2-4).
+template <int MR, class Decode>
+__attribute__((always_inline)) inline void panel_rows_i16_nvwide(const W4Gemm& g, const uint8_t* q,
+                                                                 const int16_t* xq, int64_t ldx, const float* xs,
+                                                                 int64_t ag, int64_t p, const Decode& decode,
+                                                                 float* res) {
+  const int64_t nab = g.K / ag;
+  const int nb = static_cast<int>(ag / 16);
+  const uint8_t* sp = static_cast<const uint8_t*>(g.scales) + p * g.G * W4_NP;
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(res + m * W4_NP, _mm512_setzero_ps());
+    _mm512_storeu_ps(res + m * W4_NP + 16, _mm512_setzero_ps());
+  }
+  constexpr int U = MR <= 2 ? 2 : 1;  // even and odd k-pairs in separate chains (latency bound otherwise)
+  for (int64_t b = 0; b < nab; ++b) {
+    __m512 t[MR][2];
+    for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+      // the block's scales / 2^8 (fp8x32_to_ps without its multiply; the 2^7 goes into the activation scale)
+      const __m512i h = fp8x32_to_ph_bits(sp + (b * nb + i) * W4_NP);
+      const __m512 s0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), s1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      __m512i a[U][MR][2];
+      for (int u = 0; u < U; ++u)
+        for (int m = 0; m < MR; ++m) a[u][m][0] = a[u][m][1] = _mm512_setzero_si512();
+      const uint8_t* qq = q + (b * nb + i) * 8 * W4_NP;
+      const int16_t* xb = xq + b * ag + 16 * i;
+      for (int j = 0; j < 8; j += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+        __m512i wl[2], wh[2];
+        decode(qq + j * W4_NP, wl, wh);
+        for (int u = 0; u < 2; ++u)
+          for (int m = 0; m < MR; ++m) {
+            int32_t xp;
+            std::memcpy(&xp, xb + m * ldx + 2 * (j + u), 4);
+            const __m512i xv = _mm512_set1_epi32(xp);
+            __m512i* am = a[U == 2 ? u : 0][m];
+            am[0] = _mm512_dpwssd_epi32(am[0], wl[u], xv);
+            am[1] = _mm512_dpwssd_epi32(am[1], wh[u], xv);
+          }
+      }
+      for (int m = 0; m < MR; ++m) {
+        if (U == 2) {
+          a[0][m][0] = _mm512_add_epi32(a[0][m][0], a[U - 1][m][0]);
+          a[0][m][1] = _mm512_add_epi32(a[0][m][1], a[U - 1][m][1]);
+        }
+        t[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0][m][0]), s0, t[m][0]);
+        t[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[0][m][1]), s1, t[m][1]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xsv = _mm512_set1_ps(xs[m * nab + b] * 0x1p7f);  // 2^8 / 2 (the LUT holds 2 x e2m1)
+      float* r = res + m * W4_NP;
+      _mm512_storeu_ps(r, _mm512_fmadd_ps(t[m][0], xsv, _mm512_loadu_ps(r)));
+      _mm512_storeu_ps(r + 16, _mm512_fmadd_ps(t[m][1], xsv, _mm512_loadu_ps(r + 16)));
+    }
+  }
+}
+
 template <int MR, int MODE, class Decode>
 __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const uint8_t* q, const int16_t* xq,
                                                           int64_t ldx, const float* xs, const int32_t* xd, int64_t ag,
                                                           int64_t p, const Decode& decode, float* res) {
+  if constexpr (MODE == W4_NVFP4 && MR <= 6)
+    if (ag > 16) return panel_rows_i16_nvwide<MR>(g, q, xq, ldx, xs, ag, p, decode, res);
   const int64_t nab = g.K / ag, bpg = g.gs / ag, pairs = ag / 2;
   // MR = 8 (int4): the fp32 sums live in res (L1) instead of registers, which the int32 sums of 8 rows fill
   constexpr bool kMem = MR > 6;
@@ -465,7 +529,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
                           int64_t ag, int64_t p0, int64_t p1) {
   fused_i16_impl<W4_NVFP4>(g, xq, xs, xd, M, ag, p0, p1, ByteLutDecode());
 }
-// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M > 8 with VBMI):
+// ---- NVFP4 on the int16 path with the block scales folded into the weights (w4a16_fused_i16_avx512, M >= 8 with VBMI):
 // one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
@@ -476,7 +540,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
 // block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
 // row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
-// per-16-k kernel at M = 16-32, no faster up to M = 8, which keeps the per-16-k kernel). What is left against int4
+// per-16-k kernel at M = 16-32 and ~12 % at M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel). What is left against int4
 // is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
@@ -704,7 +768,7 @@ bool w4a16_vbmi_enabled() {
 void w4a16_fused_i16_avx512(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                             int64_t ag, int64_t p0, int64_t p1) {
   const bool vbmi = w4a16_vbmi_enabled();
-  if (g.mode == W4_NVFP4 && ag > 16) {  // block scales folded in (w4a16_path.h, i16_block)
+  if (g.mode == W4_NVFP4 && ag > 16 && M >= kNvFoldMinM) {  // block scales folded in (w4a16.h, kNvFoldMinM)
     fused_i16_nvfp4_folded_vbmi(g, xq, xs, M, ag, p0, p1);
     return;
   }

@@ -48,16 +48,17 @@ struct W4Call {
   int dtype;    // DT_F32 / DT_BF16 / DT_F16 of x
 };
 
-// NVFP4 on the AVX-512 int16 path with VBMI folds its block scales into the int16 weights from this M on.
-inline bool i16_nvfp4_folded(const PathCaps& c, int64_t M) { return c.isa == CpuIsa::avx512 && c.vbmi && M > 8; }
-
 // Activation block of the int16 path: the largest divisor of the group size that is a multiple of 4 and at most
-// 4096; 0 if none is >= 16 (no int16 path for that group size). NVFP4: 16, or with the block scales folded in
-// (AVX2 always, AVX-512 with VBMI for M > 8) the largest of 128, 64, 32 that divides K.
+// 4096; 0 if none is >= 16 (no int16 path for that group size). NVFP4: the largest of 128, 64, 32 (or 16) that
+// divides K, except on AVX-512 at M = 1 and, without VBMI, from kNvFoldMinM = 8 rows (w4a16.h): 16. AVX2 folds the
+// block scales into the weights; AVX-512 does with VBMI from 8 rows and below them applies the scales with one FMA
+// per 16-k block and row, the activation scale once per activation block. On Zen 5 (1 thread, cold, against blocks
+// of 16) that is 5-15 % faster at M = 2-4, even at 6, slower at M = 1 (bound by the weight stream, not the
+// multiplies); folded is ~15 % faster at M = 8 (docs/cpu-kernels.md, "M crossovers").
 inline int64_t i16_block(const PathCaps& c, const W4Call& q) {
   if (c.isa == CpuIsa::generic) return 0;
   if (q.mode == W4_NVFP4) {
-    if (c.isa == CpuIsa::avx512 && !i16_nvfp4_folded(c, q.M)) return 16;
+    if (c.isa == CpuIsa::avx512 && (q.M == 1 || (q.M >= kNvFoldMinM && !c.vbmi))) return 16;
     return q.K % 128 == 0 ? 128 : q.K % 64 == 0 ? 64 : q.K % 32 == 0 ? 32 : 16;
   }
   for (int64_t d = std::min<int64_t>(q.gs, 4096); d >= 16; --d)

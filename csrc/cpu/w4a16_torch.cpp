@@ -261,7 +261,9 @@ bool run_int16(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, int64_t ag, con
   int16_t* xqp = xq.data_ptr<int16_t>();
   float* xsp = xs.data_ptr<float>();
   int32_t* xdp = xd.data_ptr<int32_t>();
-  const int64_t l1max = g.mode == W4_NVFP4 && ag > 16 ? kNvFoldL1 : 0;  // the folded NVFP4 kernel
+  // the folded NVFP4 kernel (AVX2: every M; AVX-512: from kNvFoldMinM rows)
+  const bool folded = g.mode == W4_NVFP4 && ag > 16 && (isa != CpuIsa::avx512 || M >= kNvFoldMinM);
+  const int64_t l1max = folded ? kNvFoldL1 : 0;
   if (!quant_x16(x, isa, ag, l1max, xqp, xsp, xdp)) return false;
   W4Gemm gb = g;
   at::Tensor bf;

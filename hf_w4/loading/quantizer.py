@@ -13,7 +13,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from .. import formats, layouts
-from . import checkpoint, moe, tensor_parallel
+from . import checkpoint, memory, moe, tensor_parallel
 from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
 from .config import ACTIVATION_MODES, CONFIGS, HfW4ConfigMixin
@@ -144,6 +144,23 @@ def replace_linear(model: nn.Module, fmt: formats.FormatConfig, headers: Optiona
     return count
 
 
+def offloaded_layers(model: nn.Module) -> Dict[QuantLinear, tuple]:
+    """Every ``QuantLinear`` inside a module that accelerate's ``dispatch_model`` offloads (an ``AlignDevicesHook``
+    with ``offload=True``: ``device_map`` "disk", or "cpu" next to an accelerator), with the hook's weights map of
+    its own tensors and the device the hook runs it on."""
+    out: Dict[QuantLinear, tuple] = {}
+    for mod in model.modules():
+        hook = getattr(mod, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # a SequentialHook or one
+            if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
+                from accelerate.utils import PrefixedDataset  # a hook means accelerate is there
+                for sub_name, sub in mod.named_modules():
+                    if isinstance(sub, QuantLinear):
+                        source = PrefixedDataset(h.weights_map, sub_name + ".") if sub_name else h.weights_map
+                        out[sub] = (source, h.execution_device)
+    return out
+
+
 class HfW4Quantizer(HfQuantizer):
     """Loads pre-quantized checkpoints of one ``quant_method`` into :class:`QuantLinear` modules."""
 
@@ -167,11 +184,6 @@ class HfW4Quantizer(HfQuantizer):
         self.format: Optional[formats.FormatConfig] = None
 
     # -- environment
-    def validate_environment(self, device_map=None, **kwargs):
-        if isinstance(device_map, dict) and "disk" in {str(v) for v in device_map.values()}:
-            raise NotImplementedError("hf_w4: disk offload of quantized modules is not supported; "
-                                      "use a device_map without 'disk' entries")
-
     def update_dtype(self, dtype):
         return self.options.get("compute_dtype") or dtype
 
@@ -202,6 +214,7 @@ class HfW4Quantizer(HfQuantizer):
         return raw
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        self._checkpoint_files = list(checkpoint_files or ())
         self.format = formats.parse(self._checkpoint_dict(checkpoint_files))
         headers = checkpoint.read_headers(checkpoint_files) if checkpoint_files else None
         stored_names: Dict[str, str] = {}   # renamed modules' names on disk
@@ -229,14 +242,27 @@ class HfW4Quantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         dtype = self.options.get("compute_dtype") or getattr(model, "dtype", None) or torch.float32
         tensor_parallel.check_model(model)
-        for m in model.modules():
-            if isinstance(m, QuantLinear):
-                if m.tp_shard is not None:
-                    tensor_parallel.localize(m)
-                m.check_loaded()
-                for p in m.parameters(recurse=False):
-                    p.requires_grad_(False)
-                m.select_kernel(dtype, force=self.options["kernel"], deny=self.options["disabled_kernels"])
+        # runs after accelerate's dispatch: layers it offloads read their packed tensors from its weights map
+        for m, (source, device) in offloaded_layers(model).items():
+            m.offload_to(source, device)
+        # tensors transformers left as views of the checkpoint's memory maps get their own memory, layer by layer
+        # before each repack (read with pread: the maps' pages are never faulted in), so the files are unmapped
+        # and no more than one layer is ever held twice (loading/memory.py)
+        maps = memory.CheckpointMaps(getattr(self, "_checkpoint_files", ()))
+        try:
+            for m in model.modules():
+                if isinstance(m, QuantLinear):
+                    if m.tp_shard is not None:
+                        tensor_parallel.localize(m)
+                    m.check_loaded()
+                    maps.copy_out(m, recurse=False)
+                    for p in m.parameters(recurse=False):
+                        p.requires_grad_(False)
+                    m.select_kernel(dtype, force=self.options["kernel"], deny=self.options["disabled_kernels"])
+                    memory.trim_heap()  # the repack's scratch, before the next layer's
+            maps.copy_out(model)
+        finally:
+            maps.close()
         if self.options.get("dequantize"):
             self._dequantize(model, dtype)
         return model

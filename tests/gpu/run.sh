@@ -53,6 +53,7 @@ stage host-arithmetic 30 python -m pytest -q -p no:cacheprovider -rfEs tests/ker
 stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_kernels.py
 stage gpu-models 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_models.py -k "not compile and not graph and not generate"
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
+stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
 stage benchmark 90 python tests/gpu/bench_cuda.py
 
 echo

@@ -9,7 +9,7 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
 * int16-activation path (path 3; auto for bf16 x at small M on AVX-512): x is rounded per block of the group
   to multiples of a power of two 2^e <= the block's max|x| / 2^14, so |dx| <= 2^-15 * max|x| of its group:
   + 2^-15 * B with B = (per-group max|x|) @ |W|^T
-  NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M > 8, scales folded into the weights) of L = 128 / 64 / 32 k
+  NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M >= 8, scales folded into the weights) of L = 128 / 64 / 32 k
   with 2^e also large enough that the block's sum of |x| / 2^e stays under ~745000 (int32 headroom), so
   |dx| <= max(2^-15 * max|x|, sum|x| / 745000) of its L-block; the budget takes the larger of the two schemes.
 """
@@ -512,7 +512,9 @@ def test_int16_path_nvfp4_shapes(isa, k):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    for M in (1, 2, 3, 4, 7, 8, 13):  # AVX-512: 7 = a block of 6 rows + 1, 8 = one block of 8, 13 = 6 + 6 + 1
+    # AVX-512: 2-7 activation blocks of up to 128 k (7 = a block of 6 rows + 1), 8 and 13 scales folded with VBMI
+    # (without: one block of 8, 6 + 6 + 1)
+    for M in (1, 2, 3, 4, 7, 8, 13):
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
@@ -770,8 +772,9 @@ def test_amx_nvfp4_fp32_decode_fallback(tmp_path):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "generic"])
 @pytest.mark.parametrize("k", [384, 320, 224])
 def test_int16_path_nvfp4_folded_blocks(isa, k):
-    """NVFP4 on the int16 path above 8 rows (AVX-512 VBMI) or from 4 rows (AVX2): block scales folded into the int16
-    weights, one flush per activation block of 128 / 64 / 32 k for K = 384 / 320 / 224: scales within a factor 8 of
+    """NVFP4 on the int16 path with activation blocks of 128 / 64 / 32 k for K = 384 / 320 / 224: from 8 rows (AVX-512
+    VBMI) or from 4 rows (AVX2) block scales folded into the int16 weights, one flush per activation block; AVX-512 at
+    2-7 rows one FMA per 16-k block and row (M = 2, 5): scales within a factor 8 of
     each other (one flush per activation block), then spread over 2^-9 .. 448 so that most blocks take one flush per
     16 k; rows of very different magnitude, outlier channels, with bias."""
     n = 96
@@ -784,7 +787,7 @@ def test_int16_path_nvfp4_folded_blocks(isa, k):
         qw = layouts.to_qweight(spec, layouts.pack(spec, codes, scales, global_scale=0.37), n, k)
         W = layouts.dequantize(qw)
         q, s, z, perm = prep(qw)
-        for M in (9, 16, 33):
+        for M in (2, 5, 8, 9, 16, 33):
             x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
             x[:, ::37] *= 100
             x = x.to(torch.bfloat16)

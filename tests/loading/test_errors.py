@@ -129,7 +129,3 @@ def test_bad_loading_attribute():
     with pytest.raises(TypeError, match="unknown argument"):
         hf_w4.AwqConfig(backend_x=1)
 
-
-def test_disk_offload_is_refused(base):
-    with pytest.raises(NotImplementedError, match="disk offload of quantized modules is not supported"):
-        load(base["gptq"], device_map={"": "disk"})

@@ -112,6 +112,7 @@ def test_two_ranks_give_the_one_process_logits_holding_half_each(two_ranks, name
     for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}: {res.get('error')}"
         assert res["layers"] == one["layers"]
+        assert res["mapped"] == [], f"rank {r}: checkpoint files still mapped after loading: {res['mapped']}"
         assert res["split"] == [n for n in one["layers"] if ".experts." not in n]   # every one but the experts
         # the same numbers up to the fp32 rounding of the row-parallel sums. Activations quantized to int8 at run
         # time round that difference to whole int8 steps here and there: in one process, inputs perturbed by 1e-7

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import hf_w4
+from hf_w4.loading import memory
 
 INPUT_IDS = torch.arange(16).reshape(2, 8) * 7 % 500
 
@@ -38,7 +39,8 @@ def main(cases_file: str, out_dir: str) -> None:
             res = {"logits": logits, "bytes": sum(m.packed_bytes() for m in layers),
                    "split": sorted(m.name for m in layers if m.tp_shard is not None),
                    "layers": sorted(m.name for m in layers),
-                   "kernels": sorted({str(m.kernel) for m in layers})}
+                   "kernels": sorted({str(m.kernel) for m in layers}),
+                   "mapped": memory.mapped(Path(case["path"]).glob("*.safetensors"))}
         torch.save(res, Path(out_dir) / f"{case['name']}.{dist.get_rank()}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -7,6 +7,8 @@
     hf-w4 bench --whole-model-only --moe   # only that, on a Qwen3-MoE-shaped model
     hf-w4 bench --int8 --rounds 5     # the W8A8 / W4A8 kernels against bf16 and zentorch
 
+Load-time memory of multi-GB sharded checkpoints is its own command: ``python -m hf_w4.tools.bench.memory``.
+
 This module composes the harness with the contender modules; the harness knows none of them by name.
 """
 from __future__ import annotations
