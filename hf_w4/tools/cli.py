@@ -354,17 +354,6 @@ def cmd_demo(a) -> int:
 
 
 # --------------------------------------------------------------------------------------------- parser
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; every option's default shown unless its help already says it (or it has none)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
-                and "default" not in text):
-            text += " (default: %(default)s)"
-        return text
-
-
 def _common() -> argparse.ArgumentParser:
     """Options of every command: verbosity and progress bars (transformers' switches, which hf_w4 follows)."""
     c = argparse.ArgumentParser(add_help=False)
@@ -377,7 +366,7 @@ def _common() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-w4", description=__doc__.split("\n\n")[0], formatter_class=_Help,
+    p = argparse.ArgumentParser(prog="hf-w4", description=__doc__.split("\n\n")[0], formatter_class=D.HelpFormatter,
                                 epilog="Model paths may be a directory, a hub id (org/name), or 'default' for the "
                                        "embedded SmolLM2-135M-Instruct. 'hf-w4 COMMAND --help' shows a command's "
                                        "options.")
@@ -386,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = [_common()]
 
     def command(name, **kw):
-        return sub.add_parser(name, parents=common, formatter_class=_Help, **kw)
+        return sub.add_parser(name, parents=common, formatter_class=D.HelpFormatter, **kw)
 
     s = command("info", help="format and kernel per kind of layer (with rejection reasons), packed vs dense memory")
     s.add_argument("path", help="checkpoint: directory, hub id or 'default'")

@@ -1,4 +1,5 @@
 """The tools' defaults, in a module that imports nothing heavy: ``hf-w4 --help`` shows them without importing torch."""
+import argparse
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_WINDOW = 512          # tokens per perplexity window
@@ -13,3 +14,14 @@ GROUP_SIZES = (128, 64, 32, 16)
 # formats have no int8 kernel (they would fall back to the slow reference kernel)
 W4A8_FORMATS = ("gptq", "autoround", "autoround-awq", "awq", "ct-w4a16")
 DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's default shown unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text

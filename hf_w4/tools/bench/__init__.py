@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import int8, w4a16  # noqa: F401  (their contenders register with the harness)
+from ..defaults import HelpFormatter
 from .harness import _boost, all_contenders, bench_shapes, l3_mib, tables  # noqa: F401  (the API)
 from .model import bench_model, bench_moe
 
@@ -54,7 +55,7 @@ INT8_CONTENDERS = ",".join(["bf16", "ours_int4"] + [c.name for c in int8.CONTEND
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-w4 bench", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--shapes", default=None, help="comma list of KxN (default: %s; --int8: %s)" %
                     (",".join(f"{k}x{n}" for k, n in SHAPES), INT8_SHAPES))
     ap.add_argument("--m", default=None, help="comma list of M (default: %s)" % ",".join(map(str, MS)))
