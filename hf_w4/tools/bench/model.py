@@ -9,6 +9,7 @@ import time
 import torch
 
 from ... import integration
+from ...log import hidden_progress_bars
 from .. import writers
 
 def bench_model(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, log=print):
@@ -31,7 +32,8 @@ def _with_quantized(model, group_size: int) -> dict:
     with from_pretrained (each format's writer defaults decide which layers are quantized)."""
     from transformers import AutoModelForCausalLM
     models = {"bf16": model}
-    with tempfile.TemporaryDirectory() as d, integration.enabled():
+    # the timing tables are the output: no writer / loading bars between their lines
+    with tempfile.TemporaryDirectory() as d, integration.enabled(), hidden_progress_bars():
         for name, fmt in (("ours_int4", "gptq"), ("ours_nvfp4", "modelopt-nvfp4")):
             res = writers.write_checkpoint(model, f"{d}/{fmt}", fmt, group_size=group_size)
             models[name] = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16).eval()
