@@ -192,7 +192,7 @@ def test_repack_layout_and_rate():
     codes = layouts.unpack_codes(qw)
     # byte i of k-pair j in panel p: low nibble = column 32p + i//2, high = 32p + 16 + i//2, k = 2j + i%2
     assert int(q[1, 3, 5]) & 15 == int(codes[32 + 2, 7]) and int(q[1, 3, 5]) >> 4 == int(codes[48 + 2, 7])
-    # rate: loose floor here (shared, noisy box); hf_w4.bench reports the real number
+    # rate: loose floor here (shared, noisy box); hf-w4 bench reports the real number
     spec, qw = make_qweight("gptq", 2048, 2048, 128)
     prep(qw)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""End to end: checkpoints written by hf_w4.writers (from formats.md) load through from_pretrained into packed
+"""End to end: checkpoints written by hf_w4.tools.writers (docs/formats.md) load through from_pretrained into packed
 QuantLinear modules, match a dense twin built from the writer's own dense weights, and save back bit-exact."""
 import json
 import os

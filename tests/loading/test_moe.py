@@ -1,6 +1,6 @@
-"""MoE models end to end (hf_w4.moe): transformers 5 fuses a layer's experts into one module with 3-D parameters,
+"""MoE models end to end (hf_w4.loading.moe): transformers 5 fuses a layer's experts into one module with 3-D parameters,
 the producers store one quantized Linear per expert projection. Tiny seeded Qwen3-MoE and Mixtral models, written
-per expert by hf_w4.writers, load into ``UnfusedExperts`` of QuantLinears, match the writer's dense twin and, as an
+per expert by hf_w4.tools.writers, load into ``UnfusedExperts`` of QuantLinears, match the writer's dense twin and, as an
 independent check of the routing forward, transformers' own fused experts holding the same dense weights; they save
 back bit-exact, generate, dequantize; the writer leaves its source fused; broken checkpoints are errors naming the
 module."""
