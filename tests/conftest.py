@@ -149,6 +149,15 @@ def same_tensor(a, b) -> bool:
         a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
 
 
+def assert_same_checkpoint(a_dir, b_dir) -> None:
+    """The two directories' model.safetensors hold the same keys, each tensor the same in dtype, shape and bits."""
+    a = load_file(os.path.join(a_dir, "model.safetensors"))
+    b = load_file(os.path.join(b_dir, "model.safetensors"))
+    assert set(a) == set(b), f"only in {a_dir}: {sorted(set(a) - set(b))[:4]}; only in {b_dir}: {sorted(set(b) - set(a))[:4]}"
+    bad = [k for k in a if not same_tensor(a[k], b[k])]
+    assert not bad, f"written back differently: {bad[:5]}"
+
+
 def edited_copy(base_dir, tmp_path, tensors=None, config=None) -> str:
     """A copy of checkpoint ``base_dir`` with ``tensors(state_dict)`` / ``config(quantization_config)`` applied."""
     d = tmp_path / "bad"

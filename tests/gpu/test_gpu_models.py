@@ -3,7 +3,6 @@ device_map="cuda" onto the CUDA kernel and give the logits of the CPU path (the 
 0.9999), save back bit-exact, generate, and run under torch.compile and a CUDA graph."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -11,11 +10,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
 
-from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_w4  # noqa: E402
-from hf_w4.tools import writers  # noqa: E402
+from conftest import assert_same_checkpoint  # noqa: E402
 from hf_w4.nn import QuantLinear  # noqa: E402
 
 FORMATS = [("gptq", dict(sym=True)), ("gptq", dict(sym=False, group_size=64, desc_act=True)),
@@ -26,18 +24,6 @@ FORMATS = [("gptq", dict(sym=True)), ("gptq", dict(sym=False, group_size=64, des
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in FORMATS]
 
 pytestmark = pytest.mark.usefixtures("hf_w4_installed")
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, tiny_llama):
-    cache = {}
-
-    def get(fmt, opts):
-        key = (fmt, tuple(sorted(opts.items())))
-        if key not in cache:
-            cache[key] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "c"), fmt, **opts)
-        return cache[key]
-    return get
 
 
 def _ids(device):
@@ -64,13 +50,7 @@ def test_from_pretrained_cuda_matches_cpu_path(written, fmt, opts, dtype, tmp_pa
     assert cos >= 0.9999, f"{fmt} {opts} {dtype}: cosine {cos:.6f} to the CPU path's logits"
     if dtype == torch.bfloat16:  # as on disk: every tensor comes back bit-exact after the GPU repack
         model.save_pretrained(tmp_path / "re")
-        a = load_file(os.path.join(res.path, "model.safetensors"))
-        b = load_file(tmp_path / "re" / "model.safetensors")
-        assert set(a) == set(b)
-        for k in a:
-            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-            assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
-                               b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
+        assert_same_checkpoint(res.path, tmp_path / "re")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
-pytest.importorskip("accelerate")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 

@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_w4
 from conftest import WRITER_IDS as IDS
+from conftest import assert_same_checkpoint
 from conftest import WRITER_VARIANTS as VARIANTS
 from conftest import rel_err as _rel
 from conftest import tokens as _tokens
@@ -55,13 +55,7 @@ def test_save_is_bit_identical_and_reloads(written, tmp_path, fmt, opts):
     # dtype as on disk (bf16), so the dense tensors round-trip too; quantized ones keep their dtypes regardless
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "re")          # after the kernel repack
-    a = load_file(os.path.join(res.path, "model.safetensors"))
-    b = load_file(tmp_path / "re" / "model.safetensors")
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
+    assert_same_checkpoint(res.path, tmp_path / "re")
     qa = json.load(open(os.path.join(res.path, "config.json")))["quantization_config"]
     qb = json.load(open(tmp_path / "re" / "config.json"))["quantization_config"]
     assert qa == qb, "the producer's quantization_config must be written back unchanged"

@@ -19,6 +19,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import hf_w4
+from conftest import assert_same_checkpoint
 from conftest import rel_err as _rel
 from hf_w4 import layouts
 from hf_w4.loading import moe
@@ -252,16 +253,6 @@ def test_unfused_forward_matches_the_fused_module(sources, arch):
 # 2. save_pretrained writes the checkpoint back per expert, bit-identical
 
 
-def _assert_same_files(a_path, b_path):
-    a, b = _keys(a_path), _keys(b_path)
-    assert set(a) == set(b), f"only in the checkpoint: {sorted(set(a) - set(b))[:4]}; " \
-                             f"only in the saved one: {sorted(set(b) - set(a))[:4]}"
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), k
-
-
 SAVE_CASES = [("qwen3_moe", "gptq", ()), ("qwen3_moe", "modelopt-nvfp4", ()), ("qwen3_moe", "ct-w4a16", ()),
               ("mixtral", "gptq", ()), ("qwen3_moe", "awq", ("re:.*experts.*",))]
 
@@ -273,7 +264,7 @@ def test_save_is_bit_identical_and_reloads(written, tmp_path, arch, fmt, ignore)
     # bf16 as on disk, so the dense tensors round-trip too
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "re")
-    _assert_same_files(res.path, tmp_path / "re")
+    assert_same_checkpoint(res.path, tmp_path / "re")
     qa = json.load(open(os.path.join(res.path, "config.json")))["quantization_config"]
     qb = json.load(open(tmp_path / "re" / "config.json"))["quantization_config"]
     assert qa == qb
@@ -300,7 +291,7 @@ def test_mixtral_block_sparse_moe_layout_loads_and_saves_back(written, tmp_path)
         assert rel <= 1e-5, f"{path}: logits off the twin by {rel:.2e} (budget 1e-5)"
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)   # as on disk: a bit-exact round trip
     model.save_pretrained(tmp_path / "re")
-    _assert_same_files(src, tmp_path / "re")
+    assert_same_checkpoint(src, tmp_path / "re")
 
 
 # ------------------------------------------------------------------------------------------------------------

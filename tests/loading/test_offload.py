@@ -5,19 +5,16 @@ An offloaded QuantLinear holds nothing between forwards: its packed tensors stay
 come in with their on-disk dtypes when the layer runs, are repacked for the kernel and let go. The logits are those
 of the model loaded all in memory, bit for bit, and ``save_pretrained`` writes the checkpoint back bit-exact.
 """
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import hf_w4
+from conftest import assert_same_checkpoint, tokens
 from hf_w4 import layouts
 from hf_w4.nn import QuantLinear
-from hf_w4.tools import writers
 
-pytest.importorskip("accelerate")
 pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
 # every format family: GPTQ (with act-order), AWQ, auto-round, compressed-tensors W4A16 sym / asym, NVFP4 (CT and
@@ -40,25 +37,9 @@ DISK_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.
             "model.rotary_emb": "cpu", "lm_head": "disk"}
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, tiny_llama):
-    cache = {}
-
-    def get(fmt, opts):
-        key = (fmt, json.dumps(opts, sort_keys=True))
-        if key not in cache:
-            cache[key] = writers.write_checkpoint(tiny_llama, str(tmp_path_factory.mktemp(fmt) / "ckpt"), fmt, **opts)
-        return cache[key]
-    return get
-
-
-def _tokens():
-    return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))
-
-
 def _logits(model):
     with torch.no_grad():
-        return model(_tokens()).logits
+        return model(tokens(5)).logits
 
 
 def _offloaded(model):
@@ -103,12 +84,7 @@ def test_save_pretrained_of_offloaded_model_is_bit_exact(written, tmp_path, fmt,
     _logits(model)   # a forward first: bringing layers in must leave nothing changed behind
     with pytest.warns(UserWarning, match="offloaded modules"):
         model.save_pretrained(tmp_path / "re")
-    a = load_file(f"{res.path}/model.safetensors")
-    b = load_file(tmp_path / "re" / "model.safetensors")
-    assert set(a) == set(b)
-    bad = [k for k in a if a[k].dtype != b[k].dtype
-           or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
-    assert not bad, f"written back differently: {bad[:5]}"
+    assert_same_checkpoint(res.path, tmp_path / "re")
 
 
 def test_everything_on_disk(written, tmp_path):
