@@ -47,6 +47,16 @@ def test_awq_symmetric_zero_word():
     assert (t["qzeros"] == u32(0x88888888)).all()
 
 
+def test_gptq_v1_zero_of_zero_borrows_from_the_next_slot():
+    # GPTQModel stores v1 zeros as the true zeros' int32 word minus 0x11111111: a zero of 0 becomes nibble 15 and
+    # the next slot one lower; read per nibble, that group would get zero 16 and its neighbour one too low
+    spec = W4Spec("gptq", "gptq", "int4", 4, 16, False, zero_plus_one=True)
+    z = torch.tensor([[0, 5, 0, 0, 9, 15, 1, 0]]).t()          # N = 8 columns, one group
+    t = layouts.pack(spec, torch.randint(0, 16, (8, 16)), torch.rand(8, 1) + 0.5, z)
+    assert t["qzeros"].item() == u32((0x01F9_0050 - 0x11111111) & 0xFFFFFFFF)
+    assert torch.equal(layouts.to_qweight(spec, t, 8, 16).zeros, z.float())
+
+
 def test_gptq_dequant_formula_v1_and_v2():
     n, k = 8, 16
     codes = torch.randint(0, 16, (n, k))

@@ -2,8 +2,8 @@
 against the exact weights, for every layout x group size x fp16 / bf16 x M in {1, 3, 16, 64, 257, 2048}.
 
 Error budget (elementwise; Wk = the weight the kernels multiply by, computed exactly on the host side by
-tests/cuda_cases.kernel_dtype_weight, whose arithmetic tests/kernels/test_cuda_w4a16.py checks bit for bit; u = 2^-11 for
-fp16, 2^-8 for bf16; A = |x| @ |Wk|^T): the products x * Wk are exact in the mma and summed in fp32, the result is
+tests/qweight_cases.kernel_dtype_weight, whose arithmetic tests/kernels/test_cuda_w4a16.py checks bit for bit;
+u = 2^-11 for fp16, 2^-8 for bf16; A = |x| @ |Wk|^T): the products x * Wk are exact in the mma and summed in fp32, the result is
 rounded once to x's dtype, so |y - x @ Wk^T| <= u * |x @ Wk^T| + 1e-5 * A. The dense path's GEMM may reduce in
 x's dtype (cuBLAS split-K with reduced-precision reductions): + 4u * A there. Against the fp32 weight of
 layouts.dequantize the int4 weights differ by the scale's and the product's rounding (<= 2u relative per weight):
@@ -15,14 +15,13 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
 
-from cuda_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight  # noqa: E402
+from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight  # noqa: E402
 from hf_w4.kernels import cuda_w4a16 as cw  # noqa: E402
 
 MS = (1, 3, 16, 64, 257, 2048)

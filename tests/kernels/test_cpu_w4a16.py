@@ -15,6 +15,7 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_w4 import _ext, layouts, ops
+from qweight_cases import make_qweight
 from hf_w4.formats.spec import W4Spec
 
 pytestmark = pytest.mark.needs_ext
@@ -66,27 +68,10 @@ LAYOUTS = [
 ]
 
 
-def make_qweight(layout, n, k, gs, sym=True, act_order=False, zp1=False, seed=0):
-    """Random codes/scales written with layouts.pack and read back with layouts.to_qweight."""
-    gen = torch.Generator().manual_seed(seed)
-    nv = "nvfp4" in layout
-    spec = W4Spec(method="test", layout=layout, weight_type="nvfp4" if nv else "int4", bits=4,
-                  group_size=16 if nv else gs, sym=sym, zero_plus_one=zp1, has_g_idx=act_order)
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    if nv:
-        scales = torch.rand(n, k // 16, generator=gen) * 3 + 0.05
-        t = layouts.pack(spec, codes, scales, global_scale=0.37 if layout == "modelopt_nvfp4" else 2.5)
-        return spec, layouts.to_qweight(spec, t, n, k)
-    g = k // spec.effective_group(k)
-    scales = torch.rand(n, g, generator=gen) * 0.02 + 0.001
-    zeros = None if sym else torch.randint(0, 16, (n, g), generator=gen)
-    if zp1 and zeros is not None:
-        zeros = zeros.clamp(min=1)  # v1 stores zero-1; a true zero of 0 would wrap
-    g_idx = None
-    if act_order:
-        g_idx = (torch.arange(k) // spec.effective_group(k))[torch.randperm(k, generator=gen)]
-    t = layouts.pack(spec, codes, scales, zeros=zeros, g_idx=g_idx, scale_dtype=torch.float32)
-    return spec, layouts.to_qweight(spec, t, n, k)
+# what a child process runs first to use this file's helpers (this folder for test_cpu_w4a16, tests/ for qweight_cases)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SUBPROCESS_PRELUDE = ("import sys, torch\nsys.path[:0] = %r\nfrom test_cpu_w4a16 import make_qweight, prep\n"
+                       "from hf_w4 import ops\n" % ([_HERE, os.path.dirname(_HERE)],))
 
 
 def prep(qw):
@@ -528,9 +513,7 @@ def _same_outputs_with_env_flag(tmp_path, var, body):
     import os
     import subprocess
     import sys
-    code = ("import torch, sys\nsys.path.insert(0, %r)\nfrom test_cpu_w4a16 import make_qweight, prep\n"
-            "from hf_w4 import ops\nout = []\n" % os.path.dirname(os.path.abspath(__file__))
-            + body + "torch.save(out, sys.argv[1])\n")
+    code = _SUBPROCESS_PRELUDE + "out = []\n" + body + "torch.save(out, sys.argv[1])\n"
     outs = []
     for flag in ("1", "0"):
         path = tmp_path / f"out_{flag}.pt"
@@ -629,11 +612,9 @@ def test_auto_path_is_the_named_path(isa):
 def test_same_outputs_in_every_process(tmp_path):
     """The path is a fixed function of the inputs and the machine: two processes give bit-identical outputs for
     large-M bf16 calls of every weight type (where the choice used to be timed at run time and could differ)."""
-    import os
     import subprocess
     import sys
-    code = ("import sys, torch\nsys.path.insert(0, %r)\nfrom test_cpu_w4a16 import make_qweight, prep\n"
-            "from hf_w4 import ops\nout = [ops.cpu_w4a16_info()]\n"
+    code = (_SUBPROCESS_PRELUDE + "out = [ops.cpu_w4a16_info()]\n"
             "for layout, gs in (('gptq', 128), ('ct_nvfp4', 16)):\n"
             "    spec, qw = make_qweight(layout, 256, 512, gs, seed=3)\n"
             "    q, s, z, perm = prep(qw)\n"
@@ -641,7 +622,7 @@ def test_same_outputs_in_every_process(tmp_path):
             "        x = torch.randn(M, 512, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)\n"
             "        out.append(ops.cpu_w4a16_gemm(x, q, s, z, 256, qw.group_size, qw.weight_type, perm=perm,\n"
             "                                      global_scale=qw.global_scale or 1.0))\n"
-            "torch.save(out, sys.argv[1])\n" % os.path.dirname(os.path.abspath(__file__)))
+            "torch.save(out, sys.argv[1])\n")
     outs = []
     for i in range(2):
         path = tmp_path / f"out{i}.pt"
@@ -659,13 +640,11 @@ def test_large_m_path_env_setting(tmp_path):
     import os
     import subprocess
     import sys
-    code = ("import sys, torch\nsys.path.insert(0, %r)\nfrom test_cpu_w4a16 import make_qweight, prep\n"
-            "from hf_w4 import ops\n"
-            "print(ops.cpu_w4a16_info())\n"
+    code = (_SUBPROCESS_PRELUDE + "print(ops.cpu_w4a16_info())\n"
             "spec, qw = make_qweight('gptq', 80, 336, 48)\nq, s, z, perm = prep(qw)\n"
             "x = torch.randn(40, 336).to(torch.bfloat16)\n"
             "r = lambda p: ops.cpu_w4a16_gemm(x, q, s, z, 80, 48, 'int4', perm=perm, path=p)\n"
-            "print(torch.equal(r(-1), r(4)))\n" % os.path.dirname(os.path.abspath(__file__)))
+            "print(torch.equal(r(-1), r(4)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, HF_W4_LARGE_PATH="fp32"))
     assert out.returncode == 0, out.stderr

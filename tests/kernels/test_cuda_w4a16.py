@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from cuda_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight
+from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight
 from hf_w4 import layouts
 from hf_w4.kernels import cuda_w4a16 as cw
 from hf_w4.kernels import registry

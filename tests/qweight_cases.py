@@ -1,5 +1,5 @@
-"""Shared by tests/kernels/test_cuda_w4a16.py (CPU) and tests/gpu/ (GPU): one random layer per checkpoint layout, written
-with layouts.pack and read back with layouts.to_qweight, as a checkpoint loader would."""
+"""Random layers shared by the CPU kernel tests, tests/kernels/test_cuda_w4a16.py and tests/gpu/: one per checkpoint
+layout, written with layouts.pack and read back with layouts.to_qweight, as a checkpoint loader would."""
 from __future__ import annotations
 
 import torch
@@ -40,7 +40,7 @@ def make_qweight(layout, n, k, gs, sym=True, act_order=False, zp1=False, seed=0,
         scales = torch.rand(n, g, generator=gen) * 0.02 + 0.001
         zeros = None if sym else torch.randint(0, 16, (n, g), generator=gen)
         if zp1 and zeros is not None:
-            zeros = zeros.clamp(min=1)  # v1 stores zero-1; a true zero of 0 would wrap
+            zeros = zeros.clamp(min=1)  # keeps v1 files free of the zero-0 borrow (tests/test_layouts.py covers it)
         g_idx = None
         if act_order:
             g_idx = (torch.arange(k) // spec.effective_group(k))[torch.randperm(k, generator=gen)]
