@@ -164,9 +164,10 @@ class QuantLinear(nn.Module):
     def check_loaded(self) -> None:
         """Raise if any tensor was not loaded from the checkpoint (transformers fills missing tensors with
         ``torch.empty_like``, i.e. uninitialised memory)."""
-        for t in self.tensor_names + (("bias",) if self.bias is not None else ()):
-            if self._offload_source is not None:  # accelerate holds them (read, and checked, when the layer runs)
-                break
+        names = self.tensor_names + (("bias",) if self.bias is not None else ())
+        if self._offload_source is not None:  # accelerate holds them: read, and checked, when the layer runs
+            names = ()
+        for t in names:
             if t in self._dropped:  # checked when it was loaded; now held by the kernel
                 continue
             p = getattr(self, t)
