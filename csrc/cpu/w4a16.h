@@ -115,6 +115,16 @@ bool w4a16_quant_x16_avx2(const void* x, int dtype, int64_t M, int64_t K, int64_
 void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, const int32_t* xd, int64_t M,
                           int64_t ag, int64_t p0, int64_t p1);
 
+// The blocked large-M kernel (AVX512-BF16, bf16 activations; w4a16_avx512_bf16.cpp): each panel decoded once into
+// bf16 weights, every row block run over it with vdpbf16ps. The activations are first packed by
+// w4a16_blocked_pack_x into row blocks of kBlockedRows: xp uint32 [ceil(M / kBlockedRows)][K/2][kBlockedRows], the
+// bf16 pair (x[m][2j], x[m][2j+1]) of each row, rows >= M zero (blocks [rb0, rb1)), so that the micro-kernel reads
+// one contiguous stream instead of 12 rows K apart (which alias in L1). xsum fp32 [M][G] (asymmetric int4 only,
+// else null): the rows' group sums of x.
+constexpr int kBlockedRows = 12;
+void w4a16_blocked_pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, int64_t rb0, int64_t rb1);
+void w4a16_blocked_avx512(const W4Gemm& g, const uint32_t* xp, const float* xsum, int64_t M, int64_t p0, int64_t p1);
+
 // AMX-BF16 (bf16 activations, K % 32 == 0). Activations are first packed into tiles by w4a16_amx_pack_a:
 // xa bf16 [ceil(M/16)][K/32][16 rows][32] (16-row blocks [mb0, mb1)), so that every A tile load reads 1 KiB of
 // contiguous memory (row-strided loads of a K=4096 row-major x alias in L1 every 4 KiB). Rows >= M are zeroed

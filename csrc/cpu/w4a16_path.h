@@ -18,6 +18,7 @@ enum class W4Path : int {
   amx = 2,           // AMX-BF16 tiles (bf16 x, K % 32 == 0)
   int16 = 3,         // activations as int16 blocks x raw codes (AVX-512 vpdpwssd / AVX2 vpmaddwd)
   dequant_fp32 = 4,  // dequantize to fp32 + at::linear (x widened exactly, y rounded once)
+  blocked = 5,       // each panel decoded once to bf16, vdpbf16ps on the bf16 x (AVX512-BF16, bf16 x, large M)
 };
 
 inline const char* path_name(W4Path p) {
@@ -27,6 +28,7 @@ inline const char* path_name(W4Path p) {
     case W4Path::amx: return "amx";
     case W4Path::int16: return "int16";
     case W4Path::dequant_fp32: return "fp32";
+    case W4Path::blocked: return "blocked";
   }
   return "?";
 }
@@ -38,6 +40,7 @@ struct PathCaps {
   bool vbmi = false;       // AVX512-VBMI and not switched off (HF_W4_VBMI=0)
   bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
   bool bf16_full_rate = false;  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
+  bool avx512_bf16 = false;     // AVX512-BF16 (the blocked kernel can run)
   int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
 };
 
@@ -64,6 +67,11 @@ inline int64_t i16_block(const PathCaps& c, const W4Call& q) {
   for (int64_t d = std::min<int64_t>(q.gs, 4096); d >= 16; --d)
     if (q.gs % d == 0 && d % 4 == 0) return d;
   return 0;
+}
+
+// The blocked kernel can run this call (it takes any K and group size: K and the groups are whole k-pairs).
+inline bool blocked_ok(const PathCaps& c, const W4Call& q) {
+  return c.avx512_bf16 && c.isa == CpuIsa::avx512 && q.dtype == DT_BF16;
 }
 
 // The AMX path can run this call.
@@ -126,6 +134,7 @@ inline W4Path resolve_path(const PathCaps& c, const W4Call& q, int requested) {
   const W4Path p = static_cast<W4Path>(requested);
   if (p == W4Path::int16 && i16_block(c, q) == 0) return choose_path(c, q);
   if (p == W4Path::amx && !amx_ok(c, q)) return choose_path(c, q);
+  if (p == W4Path::blocked && !blocked_ok(c, q)) return choose_path(c, q);
   return p;
 }
 

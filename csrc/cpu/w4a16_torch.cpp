@@ -154,6 +154,7 @@ PathCaps path_caps(CpuIsa isa) {
   c.vbmi = w4a16_vbmi_enabled();
   c.bf16_gemm = caps.avx512_bf16 || caps.amx_bf16;
   c.bf16_full_rate = caps.avx512_bf16 && caps.amd;
+  c.avx512_bf16 = caps.avx512_bf16;
   c.large = large_path_setting(caps);
   TORCH_CHECK(c.large != static_cast<int>(W4Path::int16) || isa != CpuIsa::generic, "HF_W4_LARGE_PATH=int16 is not "
               "available with isa generic (needs avx512 or avx2)");
@@ -275,6 +276,23 @@ bool run_int16(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, int64_t ag, con
   return true;
 }
 
+// The blocked kernel (bf16 x, AVX512-BF16): activations packed into row blocks, then each thread decodes its
+// panels once and runs every row block over them
+void run_blocked(const W4Gemm& g, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), nrb = (M + kBlockedRows - 1) / kBlockedRows;
+  W4Gemm gb = g;
+  at::Tensor bf;
+  if (bias) { bf = bias->to(at::kFloat).contiguous(); gb.bias = bf.data_ptr<float>(); }
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  at::Tensor xp = at::empty({nrb * (K / 2) * kBlockedRows}, x.options().dtype(at::kInt));
+  uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
+  at::parallel_for(0, nrb, 1, [&](int64_t b0, int64_t b1) { w4a16_blocked_pack_x(xs, M, K, xpp, b0, b1); });
+  std::vector<float> xsum;
+  if (g.mode == W4_ASYM) xsum = group_sums(M, K, g.gs, [&](int64_t i) { return bf16_bits_to_f32(xs[i]); });
+  const float* xsp = xsum.empty() ? nullptr : xsum.data();
+  at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) { w4a16_blocked_avx512(gb, xpp, xsp, M, p0, p1); });
+}
+
 // AMX-BF16 tiles (bf16 x, K % 32 == 0)
 void run_amx(const W4Gemm& g, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), MB = (M + 15) / 16;
@@ -394,8 +412,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   TORCH_CHECK(mode != W4_ASYM || (zs.numel() == P * G * W4_NP && zs.is_contiguous() && zs.scalar_type() == at::kFloat),
               "cpu_w4a16_gemm: zs does not match the packed layout");
   if (bias) TORCH_CHECK(bias->numel() == n, "cpu_w4a16_gemm: bias must have N entries");
-  TORCH_CHECK(path >= -1 && path <= 4, "cpu_w4a16_gemm: path must be -1 (auto) or 0..4 (fused, bf16, amx, int16, "
-              "fp32), got ", path);
+  TORCH_CHECK(path >= -1 && path <= 5, "cpu_w4a16_gemm: path must be -1 (auto) or 0..5 (fused, bf16, amx, int16, "
+              "fp32, blocked), got ", path);
   auto y = at::empty({M, n}, x_in.options());
   if (M == 0 || n == 0) return y;
   at::Tensor x = x_in.contiguous();
@@ -418,6 +436,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
       break;  // inf / nan in x: the fp32 kernel propagates them
     case W4Path::amx:
       run_amx(g, x, bias);
+      return y;
+    case W4Path::blocked:
+      run_blocked(g, x, bias);
       return y;
     case W4Path::dequant_bf16:
       return run_dequant(g, x, dt == at::kBFloat16 ? at::kBFloat16 : at::kFloat, isa, bias, y);
