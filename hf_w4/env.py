@@ -42,7 +42,7 @@ VARIABLES = (
              "AVX512-FP16 (bit-identical results)"),
     Variable("HF_W4_VBMI", "C++", "0", "cpu_w4a16: look NVFP4 codes up with vpermw instead of AVX512-VBMI vpermb "
              "(bit-identical results)"),
-    Variable("HF_W4_LARGE_PATH", "C++", "int16 / bf16 / fp32", "cpu_w4a16, bf16 activations at large M without "
+    Variable("HF_W4_LARGE_PATH", "C++", "int16 / bf16 / fp32 / blocked", "cpu_w4a16, bf16 activations at large M without "
              "AMX: use this path instead of the fixed rule for this CPU family (docs/cpu-kernels.md)"),
     Variable("HF_W4_W4A16_CHUNK_MB", "C++", "a size in MiB", "cpu_w4a16's dequantize + GEMM paths: the dequantized "
              "chunk size (default 2 MiB per thread)"),

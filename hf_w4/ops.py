@@ -25,7 +25,8 @@ def has_impl(op: str, device: str = "CPU") -> bool:
 # (channel-wise: K, not -1). gemm: isa "" = auto (else HF_W4_ISA), "avx512" | "avx2" | "generic" (an error if the
 # CPU lacks it); path -1 = auto (fixed rules, csrc/cpu/w4a16_path.h), 0 = fused small-M kernel, 1 = dequantize +
 # at::linear (bf16 x: a bf16 GEMM), 2 = AMX-BF16 tiles, 3 = int16 activations x raw codes (inf / nan in x fall back
-# to path 0), 4 = dequantize to fp32 + fp32 GEMM; a path the call cannot take falls back to auto.
+# to path 0), 4 = dequantize to fp32 + fp32 GEMM, 5 = blocked (bf16 x, AVX512-BF16: each panel decoded once to bf16,
+# vdpbf16ps); a path the call cannot take falls back to auto.
 lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor scales, Tensor? zeros, "
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
@@ -35,8 +36,8 @@ lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Ten
 # fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=32, fp32] (fixed rules for avx2 without AMX; cpu: avx2)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 # cpu_w4a16_path: the path the automatic choice of cpu_w4a16_gemm takes for a call with M rows of K columns, this
-# weight type / group size / asymmetry and activation dtype on this machine: "fused", "bf16", "amx", "int16" or "fp32"
-# (the names of paths 0..4).
+# weight type / group size / asymmetry and activation dtype on this machine: "fused", "bf16", "amx", "int16", "fp32"
+# or "blocked" (the names of paths 0..5).
 lib.define("cpu_w4a16_path(int m, int k, str weight_type, int group_size, bool asym, ScalarType dtype, "
            "str isa=\"\") -> str")
 # cpu_w4a16_quant_x16: the int16 path's activation quantizer alone (tests): x [M, K] -> (xq int16 [M, K], xs fp32
@@ -98,7 +99,7 @@ def cpu_w4a16_info(isa=""):
 
 
 def cpu_w4a16_path(m, k, weight_type, group_size, dtype, asym=False, isa=""):
-    """The path ("fused", "bf16", "amx", "int16" or "fp32") cpu_w4a16_gemm's automatic choice takes for M x K
+    """The path ("fused", "bf16", "amx", "int16", "fp32" or "blocked") cpu_w4a16_gemm's automatic choice takes for M x K
     activations of ``dtype`` on this machine."""
     _ext.load()
     return torch.ops.hf_w4.cpu_w4a16_path(m, k, weight_type, group_size, asym, dtype, isa)

@@ -96,9 +96,13 @@ inline int64_t amx_min_m(const W4Call& q) {
 }
 // Largest M of the AVX2 int16 kernel above small M, before dequantize + GEMM takes over.
 inline int64_t avx2_i16_large_max_m(int mode) { return mode == W4_NVFP4 ? 32 : 80; }
-// Largest M of the AVX-512 NVFP4 int16 kernel (its decode costs more than int4's) where the bf16 GEMM runs at full
-// rate; int4, and NVFP4 on other AVX-512 CPUs, keep the int16 kernel at every M.
-constexpr int64_t kAvx512NvfpI16MaxM = 112;
+// Smallest M of the blocked kernel for int4 with an int16 block, on CPUs whose AVX512-BF16 runs at full rate (AMD):
+// below it the int16 kernel, which decodes the codes in registers for every 8 rows, is faster (at M = 48-128 by
+// 5-20 %: the blocked kernel's panel decode is not yet spread over enough rows); the two are even at M = 192-512 and
+// the blocked kernel is ahead from M = 1024 (at 4096 by ~20 %: the int16 kernel's activations no longer fit the L3).
+// NVFP4 (whose int16 decode costs ~1.4x int4's) and int4 group sizes without an int16 block take the blocked kernel
+// at every large M there (docs/cpu-kernels.md, "M crossovers").
+constexpr int64_t kBlockedInt4MinM = 256;
 
 // bf16 x above the small-M kernels where AMX does not take it.
 inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
@@ -106,12 +110,16 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
   const W4Path gemm = c.bf16_gemm ? W4Path::dequant_bf16 : W4Path::dequant_fp32;
   if (c.large >= 0) {
     const W4Path forced = static_cast<W4Path>(c.large);
-    return forced == W4Path::int16 && !i16 ? W4Path::dequant_fp32 : forced;
+    if (forced == W4Path::int16 && !i16) return W4Path::dequant_fp32;
+    if (forced == W4Path::blocked && !blocked_ok(c, q)) return gemm;
+    return forced;
   }
   if (c.amx) return W4Path::dequant_bf16;  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX
-  if (c.isa == CpuIsa::avx512 && i16 &&
-      (q.mode != W4_NVFP4 || !c.bf16_full_rate || q.M <= kAvx512NvfpI16MaxM))
-    return W4Path::int16;
+  // AVX512-BF16 at full rate: the blocked kernel (vdpbf16ps, 32 multiply-adds per instruction like vpdpwssd, the
+  // weights decoded once per panel instead of once per 8 rows)
+  if (blocked_ok(c, q) && c.bf16_full_rate && (q.mode == W4_NVFP4 || !i16 || q.M >= kBlockedInt4MinM))
+    return W4Path::blocked;
+  if (c.isa == CpuIsa::avx512 && i16) return W4Path::int16;
   if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(q.mode)) return W4Path::int16;
   return gemm;
 }
@@ -128,7 +136,7 @@ inline W4Path choose_path(const PathCaps& c, const W4Call& q) {
 }
 
 // A requested path (-1 = automatic); a path the call cannot take (int16 without an int16 block or on the generic
-// ISA, AMX where amx_ok is false) falls back to the automatic choice.
+// ISA, AMX where amx_ok is false, blocked where blocked_ok is false) falls back to the automatic choice.
 inline W4Path resolve_path(const PathCaps& c, const W4Call& q, int requested) {
   if (requested < 0) return choose_path(c, q);
   const W4Path p = static_cast<W4Path>(requested);

@@ -127,20 +127,23 @@ int64_t large_chunk_bytes() {
   return static_cast<int64_t>(2) * (1 << 20) * std::max(1, at::get_num_threads());
 }
 
-// HF_W4_LARGE_PATH=int16|bf16|fp32 (read once): the large-M path for bf16 x instead of the fixed rule
+// HF_W4_LARGE_PATH=int16|bf16|fp32|blocked (read once): the large-M path for bf16 x instead of the fixed rule
 // (w4a16_path.h); -1 when unset. A name this CPU cannot run is an error that says what it needs.
 int large_path_setting(const CpuCaps& caps) {
   static const int v = [&] {
     const char* e = std::getenv("HF_W4_LARGE_PATH");
     if (!e || !*e) return -1;
     const std::string s(e);
-    TORCH_CHECK(s == "int16" || s == "bf16" || s == "fp32", "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', "
-                "got '", s, "'");
+    TORCH_CHECK(s == "int16" || s == "bf16" || s == "fp32" || s == "blocked", "HF_W4_LARGE_PATH must be 'int16', "
+                "'bf16', 'fp32' or 'blocked', got '", s, "'");
     TORCH_CHECK(s != "int16" || caps.avx2, "HF_W4_LARGE_PATH=int16 is not available here (needs avx512 or avx2; "
                 "this CPU has ", caps.describe(), ")");
     TORCH_CHECK(s != "bf16" || caps.avx512_bf16 || caps.amx_bf16, "HF_W4_LARGE_PATH=bf16 is not available here "
                 "(needs AVX512-BF16 or AMX-BF16; this CPU has ", caps.describe(), ")");
-    return static_cast<int>(s == "int16" ? W4Path::int16 : s == "bf16" ? W4Path::dequant_bf16 : W4Path::dequant_fp32);
+    TORCH_CHECK(s != "blocked" || caps.avx512_bf16, "HF_W4_LARGE_PATH=blocked is not available here (needs "
+                "AVX512-BF16; this CPU has ", caps.describe(), ")");
+    return static_cast<int>(s == "int16" ? W4Path::int16 : s == "bf16" ? W4Path::dequant_bf16
+                            : s == "blocked" ? W4Path::blocked : W4Path::dequant_fp32);
   }();
   return v;
 }

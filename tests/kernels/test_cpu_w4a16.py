@@ -12,6 +12,10 @@ Error budgets (elementwise, A = |x| @ |W|^T, ref = fp32 x @ W^T):
   NVFP4 there: blocks of 16 k, or (AVX-512 VBMI, M >= 8, scales folded into the weights) of L = 128 / 64 / 32 k
   with 2^e also large enough that the block's sum of |x| / 2^e stays under ~745000 (int32 headroom), so
   |dx| <= max(2^-15 * max|x|, sum|x| / 745000) of its L-block; the budget takes the larger of the two schemes.
+* blocked path (path 5; bf16 x, AVX512-BF16): the bf16 weights are exact (int4 code values; NVFP4 e2m1 x e4m3) and
+  so is every product; vdpbf16ps adds two products per step into an fp32 sum (two roundings), so a sum over n <= K
+  products is off by at most ~n * 2^-24 of its sum of |terms|; then one group-scale FMA / zero-point term and the
+  output rounding: |y - ref| <= 2^-8 * |ref| + (K + 8) * 2^-24 * A + 2e-6 * A
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ def prep(qw):
     return q, s, z, perm
 
 
-def check(y, x, W, bias, path_large, what, i16_group=None):
+def check(y, x, W, bias, path_large, what, i16_group=None, blocked=False):
     xf = x.float()
     ref = F.linear(xf, W, None if bias is None else bias.float())
     A = F.linear(xf.abs(), W.abs()) + (0 if bias is None else bias.float().abs())
@@ -92,6 +96,8 @@ def check(y, x, W, bias, path_large, what, i16_group=None):
         bud = 2.0 ** -11 * ref.abs() + 2e-6 * A + (2.0 ** -8 * A if path_large else 0)
     else:
         bud = 2.0 ** -8 * ref.abs() + 2e-6 * A + (2.0 ** -8 * A if path_large else 0)
+    if blocked:  # fp32 sums over up to K exact products (module docstring)
+        bud = bud + (x.shape[1] + 8) * 2.0 ** -24 * A
     if i16_group:  # the int16-activation path may have run
         m, k = xf.shape
 
@@ -145,7 +151,7 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(M, k, generator=gen).to(dt)
                 bias = bias_f.to(dt) if rnd.random() < 0.5 else None
-                for path in (-1, 0, 1, 2, 3, 4) if M in (3, 17) else (-1,):
+                for path in (-1, 0, 1, 2, 3, 4, 5) if M in (3, 17) else (-1,):
                     y = ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                            global_scale=qw.global_scale or 1.0, isa=isa, path=path)
                     # auto may pick the AMX path from M=3 (int4 groups of 128 or more; 64: M=4; otherwise above
@@ -154,7 +160,7 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
                     large = path in (1, 2) or (path in (-1, 3) and M > 3)  # 3 without AVX-512 = auto
                     i16 = isa != "generic" and (path == 3 or (path == -1 and dt == torch.bfloat16))
                     check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}",
-                          i16_group=_group(qw, k) if i16 else None)
+                          i16_group=_group(qw, k) if i16 else None, blocked=path == 5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -506,6 +512,46 @@ def test_int16_path_nvfp4_shapes(isa, k):
         check(y, x, W, bias, False, f"{isa} K={k} M={M}", i16_group="nvfp4")
 
 
+BLOCKED = "avx512" in ISAS and _ext.cpu_flags() >= {"avx512_bf16"}
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernel needs AVX-512 with AVX512-BF16")
+@pytest.mark.parametrize("layout,sym,ao,n,k,gs", [
+    ("gptq", True, False, 72, 640, 128),           # 3 panels, the last one partial
+    ("gptq", False, True, 40, 520, 40),            # act order, asymmetric, K % 32 != 0, groups of 20 k-pairs
+    ("awq", False, False, 64, 256, 32),
+    ("ct_pack", True, False, 96, 8200, -1),        # channel-wise; K = 8200: 2 row chunks from M = 252
+    ("ct_pack", True, False, 32, 360, 18),         # a group size without an int16 block
+    ("ct_nvfp4", True, False, 72, 80, 16),         # an odd number of 16-k blocks
+    ("modelopt_nvfp4", True, False, 200, 8192, 16),  # 2 row chunks from M = 264
+])
+def test_blocked_path(layout, sym, ao, n, k, gs):
+    """path 5 (the blocked kernel: each panel decoded once to bf16, 12-row vdpbf16ps blocks over it) against the
+    reference: every row count of a last block (1-12 rows: the 4 / 8 / 12-row kernels on zero-padded rows), more
+    than one chunk of row blocks, rows of very different magnitude, bias, bf16 output; bit-identical with 1 and 2
+    threads (each output is summed by one thread, in one order) and when the same rows come in a larger batch."""
+    spec, qw = make_qweight(layout, n, k, gs, sym=sym, act_order=ao, seed=n + k)
+    W = layouts.dequantize(qw)
+    q, s, z, perm = prep(qw)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    run = lambda x: ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
+                                       global_scale=qw.global_scale or 1.0, path=5)
+    Ms = (1, 5, 12, 23, 30) + ((300,) if k >= 8192 else (36, 47))
+    for M in Ms:
+        x = (torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]).to(torch.bfloat16)
+        y = run(x)
+        check(y, x, W, bias, False, f"{spec.describe()} K={k} M={M}", blocked=True)
+        if M in (23, 300):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2 if threads == 1 else 1)
+            try:
+                assert torch.equal(run(x), y), f"{spec.describe()} M={M}: differs with another thread count"
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(run(x[:13]), y[:13]), f"{spec.describe()}: rows 0-12 alone differ"
+
+
 def _same_outputs_with_env_flag(tmp_path, var, body):
     """Runs `body` (Python that appends the tensors to compare to `out`; make_qweight, prep, ops and torch are
     imported) in a subprocess with var=1 and with var=0 in the environment - the kernels read such switches once per
@@ -529,7 +575,7 @@ def _large_choice(isa):
     "int4_no_i16": int4 group sizes without an int16 block."""
     import re
     info = ops.cpu_w4a16_info(isa)
-    num = {"int16": 3, "bf16": 1, "fp32": 4}
+    num = {"int16": 3, "bf16": 1, "fp32": 4, "blocked": 5}
     m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16 int4=\[(.*?)\] int4_no_i16=\[(.*?)\] nvfp4=\[(.*?)\] "
                   r"\((.*)\)$", info)
     assert m, info
@@ -537,7 +583,7 @@ def _large_choice(isa):
     assert m.group(6).startswith(("fixed rules for " + m.group(1), "HF_W4_LARGE_PATH")), info
     segs = {}
     for wt, seg in (("int4", m.group(3)), ("int4_no_i16", m.group(4)), ("nvfp4", m.group(5))):
-        parts = [re.fullmatch(r"(int16|bf16|fp32)(?: M<=(\d+))?", p.strip()) for p in seg.split(",")]
+        parts = [re.fullmatch(r"(int16|bf16|fp32|blocked)(?: M<=(\d+))?", p.strip()) for p in seg.split(",")]
         assert all(parts) and all(p.group(2) for p in parts[:-1]) and not parts[-1].group(2), info
         segs[wt] = [(num[p.group(1)], int(p.group(2)) if p.group(2) else None) for p in parts]
     return segs
@@ -547,15 +593,19 @@ def _path_at(segs, M):
     return next(p for p, upto in segs if upto is None or M <= upto)
 
 
-PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4}
+PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4, "blocked": 5}
+
+
+BLOCKED_INT4_MIN_M = 256  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_large_m_bf16_rule(isa):
-    """bf16 x above the small-M kernels where AMX does not take them follows fixed rules (no timing): int16 x raw
-    codes on AVX-512 at every M (NVFP4 on AMD: up to M = 112); on AVX2 up to M = 80 (int4) / 32 (NVFP4); else
-    dequantize + bf16 GEMM on CPUs with bf16 arithmetic, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule
-    as cpu_w4a16_path."""
+    """bf16 x above the small-M kernels where AMX does not take them follows fixed rules (no timing): on AVX-512
+    with AVX512-BF16 at full rate (AMD) the blocked kernel for NVFP4 and for int4 groups without an int16 block at
+    every M, for other int4 from M = 256 (int16 x raw codes below); other AVX-512 CPUs int16 at every M; on AVX2 int16
+    up to M = 80 (int4) / 32 (NVFP4); else dequantize + bf16 GEMM on CPUs with bf16 arithmetic, + fp32 GEMM
+    otherwise. cpu_w4a16_info reports the same rule as cpu_w4a16_path."""
     segs = _large_choice(isa)
     info = ops.cpu_w4a16_info(isa)
     bf16 = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None
@@ -564,17 +614,18 @@ def test_large_m_bf16_rule(isa):
     if amx:
         want = {"int4": [(1, None)], "int4_no_i16": [(1, None)], "nvfp4": [(1, None)]}
     elif isa == "avx512":
-        # NVFP4's int16 decode costs more than int4's: where the bf16 GEMM runs at full rate (AMD), it takes over
         full_rate = re.search(r"cpu: .*avx512_bf16.*\bamd\b", info) is not None
-        want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)],
-                "nvfp4": [(3, 112), (1, None)] if full_rate else [(3, None)]}
+        if full_rate:
+            want = {"int4": [(3, BLOCKED_INT4_MIN_M - 1), (5, None)], "int4_no_i16": [(5, None)], "nvfp4": [(5, None)]}
+        else:
+            want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, None)]}
     elif isa == "avx2":
         want = {"int4": [(3, 80), (gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, 32), (gemm, None)]}
     else:
         want = {"int4": [(gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(gemm, None)]}
     assert segs == want, (isa, segs)
     for wt, gs, key in (("int4", 128, "int4"), ("int4", 18, "int4_no_i16"), ("nvfp4", 16, "nvfp4")):
-        for M in (40, 80, 81, 112, 113, 300, 5000):
+        for M in (40, 80, 81, 112, 113, BLOCKED_INT4_MIN_M - 1, BLOCKED_INT4_MIN_M, 5000):
             k = 4104 if amx else 4096  # (K % 32 != 0: where AMX exists, the shape AMX cannot take)
             k = k // gs * gs
             got = ops.cpu_w4a16_path(M, k, wt, gs, torch.bfloat16, isa=isa)
@@ -604,9 +655,11 @@ def test_auto_path_is_the_named_path(isa):
             if gs == 18 or isa == "generic":
                 assert torch.equal(run(3), run(-1)), f"{what}: path 3 without an int16 block is not auto"
             if dt == torch.bfloat16 and M > 32:
-                for path in (1, 4) + ((3,) if isa != "generic" and gs != 18 else ()):
-                    check(run(path), x, W, None, path == 1, f"{what} path={path}",
-                          i16_group=_group(qw, k) if path == 3 else None)
+                for path in (1, 4, 5) + ((3,) if isa != "generic" and gs != 18 else ()):
+                    # path 5 where the blocked kernel cannot run is the automatic choice: the largest budget
+                    check(run(path), x, W, None, path in (1, 5), f"{what} path={path}",
+                          i16_group=_group(qw, k) if path in (3, 5) and gs != 18 and isa != "generic" else None,
+                          blocked=path == 5)
 
 
 def test_same_outputs_in_every_process(tmp_path):
@@ -653,7 +706,7 @@ def test_large_m_path_env_setting(tmp_path):
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, HF_W4_LARGE_PATH="fast"))
     assert bad.returncode != 0
-    assert "HF_W4_LARGE_PATH must be 'int16', 'bf16' or 'fp32', got 'fast'" in bad.stderr, bad.stderr
+    assert "HF_W4_LARGE_PATH must be 'int16', 'bf16', 'fp32' or 'blocked', got 'fast'" in bad.stderr, bad.stderr
     # a path this ISA does not have (the portable C++ path has no int16 kernel)
     na = subprocess.run([sys.executable, "-c", "from hf_w4 import ops\nops.cpu_w4a16_info('generic')"],
                         capture_output=True, text=True, env=dict(os.environ, HF_W4_LARGE_PATH="int16"))
