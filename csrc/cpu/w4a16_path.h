@@ -41,6 +41,7 @@ struct PathCaps {
   bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
   bool bf16_full_rate = false;  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
   bool avx512_bf16 = false;     // AVX512-BF16 (the blocked kernel can run)
+  bool amd = false;             // AMD: AVX2's vpmaddwd runs at twice the fp32 FMA rate of multiply-adds
   int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
 };
 
@@ -94,8 +95,14 @@ inline int64_t amx_min_m(const W4Call& q) {
   if (q.mode == W4_NVFP4) return 4;
   return amx_raw_codes(q.mode, q.gs, 1) ? 2 : 6;
 }
-// Largest M of the AVX2 int16 kernel above small M, before dequantize + GEMM takes over.
-inline int64_t avx2_i16_large_max_m(int mode) { return mode == W4_NVFP4 ? 32 : 80; }
+// Largest M of the AVX2 int16 kernel above small M, before dequantize + GEMM takes over, where the CPU has no bf16
+// arithmetic: on AMD none (vpmaddwd + vpaddd do twice the multiply-adds of fp32 FMAs per cycle: the int16 kernel
+// runs at ~2x the dequantize + fp32 GEMM path at every M), elsewhere (Intel, where the two are even from M ~ 96)
+// 80 for int4 and 32 for NVFP4, whose decode costs more.
+inline int64_t avx2_i16_large_max_m(const PathCaps& c, int mode) {
+  if (c.amd && !c.bf16_gemm) return INT64_MAX;
+  return mode == W4_NVFP4 ? 32 : 80;
+}
 // Smallest M of the blocked kernel for int4 with an int16 block, on CPUs whose AVX512-BF16 runs at full rate (AMD):
 // below it the int16 kernel, which decodes the codes in registers for every 8 rows, is faster (at M = 48-128 by
 // 5-20 %: the blocked kernel's panel decode is not yet spread over enough rows); the two are even at M = 192-512 and
@@ -120,7 +127,7 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
   if (blocked_ok(c, q) && c.bf16_full_rate && (q.mode == W4_NVFP4 || !i16 || q.M >= kBlockedInt4MinM))
     return W4Path::blocked;
   if (c.isa == CpuIsa::avx512 && i16) return W4Path::int16;
-  if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(q.mode)) return W4Path::int16;
+  if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(c, q.mode)) return W4Path::int16;
   return gemm;
 }
 

@@ -158,6 +158,7 @@ PathCaps path_caps(CpuIsa isa) {
   c.bf16_gemm = caps.avx512_bf16 || caps.amx_bf16;
   c.bf16_full_rate = caps.avx512_bf16 && caps.amd;
   c.avx512_bf16 = caps.avx512_bf16;
+  c.amd = caps.amd;
   c.large = large_path_setting(caps);
   TORCH_CHECK(c.large != static_cast<int>(W4Path::int16) || isa != CpuIsa::generic, "HF_W4_LARGE_PATH=int16 is not "
               "available with isa generic (needs avx512 or avx2)");

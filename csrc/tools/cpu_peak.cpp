@@ -52,6 +52,33 @@ PROBE(p_busd, "avx512f,avx512vnni", "vpdpbusd", "vpdpbusd")
 PROBE(p_bf16_wssd, "avx512f,avx512bf16,avx512vnni", "vdpbf16ps", "vpdpwssd")
 PROBE(p_fma_wssd, "avx512f,avx512vnni", "vfmadd231ps", "vpdpwssd")
 
+// AVX2 (16 ymm registers, no 16-bit dot instruction): fp32 FMA into 12 accumulators, and vpmaddwd (16 int16
+// products summed in pairs) + vpaddd into 7 accumulators ymm0-6 (temporaries ymm7-13); sources ymm14-15
+#define MADD(T, A) "vpmaddwd %%ymm14, %%ymm15, %%ymm" T "\n\tvpaddd %%ymm" T ", %%ymm" A ", %%ymm" A "\n\t"
+#define MADD7 MADD("7", "0") MADD("8", "1") MADD("9", "2") MADD("10", "3") MADD("11", "4") MADD("12", "5") MADD("13", "6")
+#define CLOBBER16                                                                                                 \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",      \
+      "xmm13", "xmm14", "xmm15"
+__attribute__((target("avx2"))) void p_maddwd(long n) {
+  n = n * 24 / 21;  // 21 pairs per trip: about as many MACs per call as the 24-instruction probes' pairs
+  asm volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n\tvpxor %%ymm15, %%ymm15, %%ymm15\n\t"
+               "1:\n\t" MADD7 MADD7 MADD7 "dec %[n]\n\tjnz 1b\n\t"
+               : [n] "+r"(n)
+               :
+               : CLOBBER16, "cc");
+}
+#define FMA_Y(A) "vfmadd231ps %%ymm14, %%ymm15, %%ymm" A "\n\t"
+__attribute__((target("avx2,fma"))) void p_fma_ymm(long n) {
+  asm volatile("vpxor %%ymm14, %%ymm14, %%ymm14\n\tvpxor %%ymm15, %%ymm15, %%ymm15\n\t"
+               "1:\n\t" FMA_Y("0") FMA_Y("1") FMA_Y("2") FMA_Y("3") FMA_Y("4") FMA_Y("5") FMA_Y("6") FMA_Y("7")
+               FMA_Y("8") FMA_Y("9") FMA_Y("10") FMA_Y("11") FMA_Y("0") FMA_Y("1") FMA_Y("2") FMA_Y("3") FMA_Y("4")
+               FMA_Y("5") FMA_Y("6") FMA_Y("7") FMA_Y("8") FMA_Y("9") FMA_Y("10") FMA_Y("11")
+               "dec %[n]\n\tjnz 1b\n\t"
+               : [n] "+r"(n)
+               :
+               : CLOBBER16, "cc");
+}
+
 struct Probe {
   const char* name;
   void (*fn)(long);
@@ -63,6 +90,7 @@ bool has_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 bool has_f() { return __builtin_cpu_supports("avx512f"); }
 bool has_both() { return has_bf16() && has_vnni(); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 double thread_seconds() {
   timespec t;
@@ -82,6 +110,8 @@ int main(int argc, char** argv) {
       {"vfmadd231ps (fp32)", p_fma, 16, has_f},        {"vdpbf16ps (bf16 pairs)", p_bf16, 32, has_bf16},
       {"vpdpwssd (int16 pairs)", p_wssd, 32, has_vnni}, {"vpdpbusd (int8 quads)", p_busd, 64, has_vnni},
       {"vdpbf16ps + vpdpwssd mix", p_bf16_wssd, 32, has_both}, {"vfmadd231ps + vpdpwssd mix", p_fma_wssd, 24, has_vnni},
+      // per loop instruction: 24 x 8 MACs (ymm FMA); 24 vpmaddwd + 24 vpaddd = 24 x 16 MACs over 48 instructions
+      {"vfmadd231ps ymm (AVX2)", p_fma_ymm, 8, has_avx2}, {"vpmaddwd+vpaddd ymm (AVX2)", p_maddwd, 16, has_avx2},
   };
   std::vector<int> threads;
   for (int i = 1; i < argc; ++i) threads.push_back(std::atoi(argv[i]));

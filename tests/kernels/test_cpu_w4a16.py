@@ -157,8 +157,9 @@ def test_fuzz_against_reference(layout, sym, ao, zp1, n, k, gs, seed):
                     # auto may pick the AMX path from M=3 (int4 groups of 128 or more; 64: M=4; otherwise above
                     # M=4); with the scales folded in (not the raw-code kernel) it rounds the scaled weights to bf16
                     # like the large-M path, so it gets the same budget
-                    large = path in (1, 2) or (path in (-1, 3) and M > 3)  # 3 without AVX-512 = auto
-                    i16 = isa != "generic" and (path == 3 or (path == -1 and dt == torch.bfloat16))
+                    # 3 without AVX-512, 5 without AVX512-BF16 or with x not bf16 = auto
+                    large = path in (1, 2) or (path in (-1, 3, 5) and M > 3) or (path == 5 and dt != torch.float32)
+                    i16 = isa != "generic" and (path == 3 or (path in (-1, 5) and dt == torch.bfloat16))
                     check(y, x, W, bias, large, f"{spec.describe()} N={n} K={k} M={M} {dt} isa={isa} path={path}",
                           i16_group=_group(qw, k) if i16 else None, blocked=path == 5)
 
@@ -604,8 +605,8 @@ def test_large_m_bf16_rule(isa):
     """bf16 x above the small-M kernels where AMX does not take them follows fixed rules (no timing): on AVX-512
     with AVX512-BF16 at full rate (AMD) the blocked kernel for NVFP4 and for int4 groups without an int16 block at
     every M, for other int4 from M = 256 (int16 x raw codes below); other AVX-512 CPUs int16 at every M; on AVX2 int16
-    up to M = 80 (int4) / 32 (NVFP4); else dequantize + bf16 GEMM on CPUs with bf16 arithmetic, + fp32 GEMM
-    otherwise. cpu_w4a16_info reports the same rule as cpu_w4a16_path."""
+    up to M = 80 (int4) / 32 (NVFP4), on AMD CPUs without bf16 arithmetic at every M; else dequantize + bf16 GEMM on
+    CPUs with bf16 arithmetic, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule as cpu_w4a16_path."""
     segs = _large_choice(isa)
     info = ops.cpu_w4a16_info(isa)
     bf16 = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None
@@ -619,6 +620,9 @@ def test_large_m_bf16_rule(isa):
             want = {"int4": [(3, BLOCKED_INT4_MIN_M - 1), (5, None)], "int4_no_i16": [(5, None)], "nvfp4": [(5, None)]}
         else:
             want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, None)]}
+    elif isa == "avx2" and not bf16 and re.search(r"cpu: .*\bamd\b", info):
+        # AMD without bf16 arithmetic: vpmaddwd does twice the multiply-adds of the fp32 GEMM's FMAs
+        want = {"int4": [(3, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, None)]}
     elif isa == "avx2":
         want = {"int4": [(3, 80), (gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(3, 32), (gemm, None)]}
     else:
