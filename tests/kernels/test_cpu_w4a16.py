@@ -522,10 +522,10 @@ BLOCKED = "avx512" in ISAS and re.search(r"cpu: .*\bavx512_bf16\b", ops.cpu_w4a1
     ("gptq", True, False, 72, 640, 128),           # 3 panels, the last one partial
     ("gptq", False, True, 40, 520, 40),            # act order, asymmetric, K % 32 != 0, groups of 20 k-pairs
     ("awq", False, False, 64, 256, 32),
-    ("ct_pack", True, False, 96, 8200, -1),        # channel-wise; K = 8200: 2 row chunks from M = 252
+    ("ct_pack", True, False, 96, 8200, -1),        # channel-wise; K = 8200: 2 row chunks from M = 516
     ("ct_pack", True, False, 32, 360, 18),         # a group size without an int16 block
     ("ct_nvfp4", True, False, 72, 80, 16),         # an odd number of 16-k blocks
-    ("modelopt_nvfp4", True, False, 200, 8192, 16),  # 2 row chunks from M = 264
+    ("modelopt_nvfp4", True, False, 200, 8192, 16),  # 2 row chunks from M = 516
 ])
 def test_blocked_path(layout, sym, ao, n, k, gs):
     """path 5 (the blocked kernel: each panel decoded once to bf16, 12-row vdpbf16ps blocks over it) against the
@@ -539,12 +539,12 @@ def test_blocked_path(layout, sym, ao, n, k, gs):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     run = lambda x: ops.cpu_w4a16_gemm(x, q, s, z, n, qw.group_size, qw.weight_type, perm=perm, bias=bias,
                                        global_scale=qw.global_scale or 1.0, path=5)
-    Ms = (1, 5, 12, 23, 30) + ((300,) if k >= 8192 else (36, 47))
+    Ms = (1, 5, 12, 23, 30) + ((600,) if k >= 8192 else (36, 47))
     for M in Ms:
         x = (torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]).to(torch.bfloat16)
         y = run(x)
         check(y, x, W, bias, False, f"{spec.describe()} K={k} M={M}", blocked=True)
-        if M in (23, 300):
+        if M in (23, 600):
             threads = torch.get_num_threads()
             torch.set_num_threads(2 if threads == 1 else 1)
             try:
