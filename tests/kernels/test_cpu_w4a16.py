@@ -1030,7 +1030,8 @@ def smollm2_nvfp4(tmp_path_factory):
 @pytest.mark.slow
 def test_every_large_m_path_within_budget_on_a_real_model(smollm2_nvfp4, monkeypatch):
     """Perplexity of SmolLM2-135M NVFP4 in bf16 (M = 512 rows per call: the large-M paths) on each path the kernel
-    can take there - int16 x raw codes, dequantize + bf16 GEMM, dequantize + fp32 GEMM, the fused fp32 kernel - and
+    can take there - int16 x raw codes, dequantize + bf16 GEMM, dequantize + fp32 GEMM, the fused fp32 kernel, the
+    blocked kernel (where the CPU has AVX512-BF16; elsewhere path 5 is the automatic choice) - and
     on the automatic choice, against the fp32 reference kernel: each within 0.5 % (the bf16 reference itself is
     ~0.2 % off), and the automatic choice gives exactly the perplexity of the path cpu_w4a16_path names."""
     import hf_w4
