@@ -251,8 +251,8 @@ void w4a16_blocked_pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp,
         for (int64_t j = 0; j < kp; ++j) o[j * kBR + r] = 0;
         continue;
       }
-      const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + m * K);  // K even: pairs are aligned dwords
-      for (int64_t j = 0; j < kp; ++j) o[j * kBR + r] = xr[j];
+      const uint16_t* xr = x + m * K;
+      for (int64_t j = 0; j < kp; ++j) std::memcpy(o + j * kBR + r, xr + 2 * j, 4);  // (x may be 2-byte aligned)
     }
   }
 }
