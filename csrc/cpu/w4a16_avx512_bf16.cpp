@@ -13,7 +13,8 @@
 // Exactness: int4 codes (code - 8, or the code for asymmetric weights) are exact in bf16 and their group scale is
 // applied to the fp32 group sums; NVFP4's e2m1 x e4m3 block scale has at most 6 significant bits, also exact in
 // bf16, so the block scales are folded into the decoded weights and the global scale is applied at the end. The
-// activations enter as they are (bf16): every product is exact and only the fp32 accumulation rounds. The same
+// activations enter as they are (bf16): every product is exact and only the fp32 accumulation rounds (vdpbf16ps
+// reads denormal inputs as zero: an activation below 2^-126 counts as 0, far under that rounding). The same
 // inputs give the same sums whatever the thread count (each output element is summed by one thread in a fixed
 // order).
 #include "common/cpu_features.h"
