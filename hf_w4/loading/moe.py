@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..nn import layout_changed, layout_epoch
 from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
 
 FUSED = ("gate_up_proj", "down_proj")   # the fused experts' parameters this module reads
@@ -79,7 +80,25 @@ def dims(m: nn.Module) -> Tuple[int, int, int]:
     return e, h, i2 // 2
 
 
-class Expert(nn.Module):
+class _Watched(nn.Module):
+    """A module whose submodules a one-call experts forward reads directly: swapping one (PEFT's LoRA wrappers,
+    dequantize, set_submodule) marks the layouts changed, so the layer checks its experts again."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, nn.Module) or name in self.__dict__.get("_modules", ()) or name == "act_fn":
+            layout_changed()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        layout_changed()
+        super().__delattr__(name)
+
+    def add_module(self, name, module):
+        layout_changed()
+        super().add_module(name, module)
+
+
+class Expert(_Watched):
     """One expert's projections, as attributes named like the checkpoint's."""
 
     def __init__(self, names: Sequence[str], linears: Sequence[nn.Module]):
@@ -88,12 +107,18 @@ class Expert(nn.Module):
             setattr(self, n, lin)
 
 
-class UnfusedExperts(nn.Module):
+class UnfusedExperts(_Watched):
     """The experts of one MoE layer, one module per expert (children ``0`` .. ``E-1``, as the checkpoint names
     them); called as the fused module it replaces:
-    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
-    def __init__(self, experts: Sequence[Expert], names: Sequence[str], act_fn, fused_type: str = ""):
+    Where every expert projection runs on cpu_w4a16 (and the rest of :func:`hf_w4.kernels.cpu_w4a16_moe.stack`'s
+    conditions hold), a step of up to ``MAX_TOKENS`` tokens runs all routed experts in one compiled call, over the
+    experts' kernel buffers stacked per layer (:meth:`one_call`); otherwise, and for gradients, each projection is
+    called in turn."""
+
+    def __init__(self, experts: Sequence[Expert], names: Sequence[str], act_fn, fused_type: str = "",
+                 path: str = "experts"):
         super().__init__()
         for i, e in enumerate(experts):
             self.add_module(str(i), e)
@@ -101,6 +126,10 @@ class UnfusedExperts(nn.Module):
         self.act_fn = act_fn
         self.num_experts = len(experts)
         self.fused_type = fused_type
+        self.path = path   # for messages
+        self._stacked = None   # hf_w4.kernels.cpu_w4a16_moe.StackedExperts, or None
+        self._stack_epoch = -1   # the layout_epoch() it was checked at
+        self.one_call_problem = "not checked yet"   # why the experts do not run as one call ("" when they do)
 
     def __getitem__(self, i: int) -> Expert:
         return self._modules[str(i)]
@@ -111,15 +140,31 @@ class UnfusedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"unfused {self.fused_type}, projections {'/'.join(self.names)}"
 
+    def one_call(self):
+        """The experts as one compiled call (a ``StackedExperts``), or None where they cannot run so
+        (``one_call_problem`` says why). Checked again whenever ``hf_w4.nn.layout_epoch()`` moved."""
+        epoch = layout_epoch()
+        if self._stack_epoch != epoch:
+            from ..kernels import cpu_w4a16_moe
+            experts = [self[i] for i in range(self.num_experts)]
+            self._stacked, self.one_call_problem = cpu_w4a16_moe.stack(self.path, self.names, experts, self.act_fn,
+                                                                       self._stacked)
+            self._stack_epoch = epoch
+        return self._stacked
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        one = self.one_call()
+        if one is not None and one.takes(hidden_states, top_k_weights):
+            return one(hidden_states, top_k_index, top_k_weights)
         # the (token, slot) pairs sorted by expert, gathered once; each expert's rows are then a slice, and the
         # weighted outputs go back in one index_add (indices >= num_experts, masked experts, are skipped)
         gate_name, up_name, down_name = self.names
         if hidden_states.shape[0] == 1:   # one token (decode): its experts in turn, no sorting or scatter
             out = torch.zeros_like(hidden_states)
             weights = top_k_weights[0]
-            for j, e in enumerate(top_k_index[0].tolist()):
+            # in ascending expert order, as the general path and transformers' eager experts add them
+            for e, j in sorted((e, j) for j, e in enumerate(top_k_index[0].tolist())):
                 if e >= self.num_experts:
                     continue
                 expert = self[e]
@@ -193,7 +238,7 @@ def _linear(n_in: int, n_out: int, weight: Optional[torch.Tensor], bias: Optiona
     return lin
 
 
-def unfuse(m: nn.Module, names: Sequence[str], share: bool = False) -> UnfusedExperts:
+def unfuse(m: nn.Module, names: Sequence[str], share: bool = False, path: str = "experts") -> UnfusedExperts:
     """An :class:`UnfusedExperts` for the fused module ``m``: with ``share``, its Linears are views of ``m``'s
     parameters (same values, no copy); otherwise new, uninitialised ones on ``m``'s device, for loading."""
     problem = fused_problem(m)
@@ -217,7 +262,7 @@ def unfuse(m: nn.Module, names: Sequence[str], share: bool = False) -> UnfusedEx
             lins = [_linear(h, i, None, None, gu, has_bias), _linear(h, i, None, None, gu, has_bias),
                     _linear(i, h, None, None, dn, has_bias)]
         experts.append(Expert(names, lins))
-    return UnfusedExperts(experts, names, m.act_fn, type(m).__name__)
+    return UnfusedExperts(experts, names, m.act_fn, type(m).__name__, path)
 
 
 def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
@@ -239,7 +284,7 @@ def unfused(model: nn.Module):
     swapped = []
     try:
         for path, m, names in _per_expert_layout(model):
-            model.set_submodule(path, unfuse(m, names, share=True))
+            model.set_submodule(path, unfuse(m, names, share=True, path=path))
             swapped.append((path, m))
         yield [p for p, _ in swapped]
     finally:
@@ -252,7 +297,7 @@ def unfuse_all(model: nn.Module) -> List[str]:
     :class:`UnfusedExperts`; their paths."""
     layout = _per_expert_layout(model)
     for path, m, names in layout:
-        model.set_submodule(path, unfuse(m, names))
+        model.set_submodule(path, unfuse(m, names, path=path))
     return [p for p, _, _ in layout]
 
 
@@ -331,7 +376,7 @@ def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
             raise CheckpointError(
                 f"{path} ({type(m).__name__}, {e} experts): the checkpoint stores {found} under it; this model's "
                 f"experts are {path}.0..{e - 1} with projections {list(names)}")
-        model.set_submodule(path, unfuse(m, names))
+        model.set_submodule(path, unfuse(m, names, path=path))
         done.append(path)
     return done
 

@@ -41,8 +41,11 @@ def _with_quantized(model, group_size: int) -> dict:
 
 
 def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log) -> dict:
-    """Median greedy-decode tokens/s of each model (``bf16`` first: the others' ratios are to it)."""
+    """Median greedy-decode tokens/s of each model (``bf16`` first: the others' ratios are to it), by the wall clock
+    and by the calling thread's CPU time (on a shared host the latter leaves out the time other processes held its
+    core, so its ratios move less from run to run)."""
     runs = {k: [] for k in models}
+    cpu = {k: [] for k in models}
     with torch.inference_mode():
         for mdl in models.values():   # warm-up
             mdl.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
@@ -50,13 +53,16 @@ def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log
         # medians from interleaved rounds is far steadier than one of back-to-back blocks
         for _ in range(rounds):
             for k, mdl in models.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 mdl.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
                 runs[k].append(tokens / (time.perf_counter() - t0))
+                cpu[k].append(tokens / (time.thread_time() - c0))
     out = {k: statistics.median(v) for k, v in runs.items()}
-    log(f"  dense bf16: {out['bf16']:.2f} tok/s")
+    by_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    log(f"  dense bf16: {out['bf16']:.2f} tok/s (thread CPU time: {by_cpu['bf16']:.2f} tok/s)")
     for k in [k for k in out if k != "bf16"]:
-        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16)")
+        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16; by thread CPU time "
+            f"{by_cpu[k]:.2f} tok/s, {by_cpu[k] / by_cpu['bf16']:.2f}x)")
     return out
 
 
