@@ -26,7 +26,7 @@ from .formats.spec import W4Spec
 from .kernels import registry
 
 # Bumped whenever a QuantLinear's kernel buffers, device or hooks change: a MoE layer that runs its experts' packed
-# weights in one call, without calling their modules (hf_w4.kernels.cpu_w4a16_moe), checks them again only then.
+# weights in one call, without calling their modules (hf_w4.loading.moe_stack), checks them again only then.
 _layout_epoch = 0
 
 

@@ -6,9 +6,10 @@
 // Each (expert, projection) runs the kernel that cpu_w4a16_gemm would pick for its rows (w4a16_path.h), restricted
 // to the small-M kernels (int16 activations x raw codes, or the fused fp32 decode), with the same activation
 // quantization and the same output rounding; silu and the product run through ATen on the same row blocks as the
-// per-expert forward, and the weighted outputs are summed per token in ascending expert order in the dtypes of
-// transformers' eager experts (output x routing weight in their promoted dtype, cast to x's, added in x's). So the
-// result is bit for bit the per-projection one wherever those calls take the small-M kernels (always at M = 1).
+// per-expert forward, and the weighted outputs are summed per token as transformers' eager experts sum them on the
+// CPU (output x routing weight in their promoted dtype, cast to x's; index_add_ adds those in fp32, in ascending
+// expert order, and rounds once). So the result is bit for bit the per-expert forward's wherever its projection
+// calls take the small-M kernels (always at M = 1).
 //
 // Work split (at::parallel_for, OpenMP): gate and up as (expert, projection, panel) items, each thread a contiguous
 // run of them (both threads busy even with few experts); then the down projection by output panels, each thread
@@ -277,7 +278,7 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
   // elements, so no thread split) and rows of whole vectors (I a multiple of 64)
   at::Tensor h;
   if (R * I <= 32768 && I % 64 == 0) {
-    h = at::mul(at::silu(gate), up);
+    h = at::silu_(gate).mul_(up);
   } else {
     h = at::empty({R, I}, opts);
     for (int64_t e : used) {
@@ -296,7 +297,7 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
     }
   });
 
-  // per token its rows, in ascending expert order (the order transformers' eager experts add them in)
+  // per token its rows, in ascending expert order (the order index_add_ adds them in)
   std::vector<int64_t> tok_start(T + 1, 0), tok_rows(R);
   for (int64_t r = 0; r < R; ++r) ++tok_start[row_pair[r] / k + 1];
   for (int64_t t = 0; t < T; ++t) tok_start[t + 1] += tok_start[t];
@@ -324,7 +325,7 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
         for (int64_t q = tok_start[t]; q < tok_start[t + 1]; ++q) {
           const int64_t r = tok_rows[q];
           const float v = round_to(round_to(to_f32(yb, dt, r * H + c) * to_f32(wp, wd, row_pair[r]), prod_dt), dt);
-          acc = round_to(acc + v, dt);
+          acc += v;
         }
         store(ob, dt, t * H + c, acc);
       }

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..nn import layout_changed, layout_epoch
+from . import moe_stack
 from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
 
 FUSED = ("gate_up_proj", "down_proj")   # the fused experts' parameters this module reads
@@ -112,7 +113,7 @@ class UnfusedExperts(_Watched):
     them); called as the fused module it replaces:
     ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
-    Where every expert projection runs on cpu_w4a16 (and the rest of :func:`hf_w4.kernels.cpu_w4a16_moe.stack`'s
+    Where every expert projection runs on cpu_w4a16 (and the rest of :func:`hf_w4.loading.moe_stack.stack`'s
     conditions hold), a step of up to ``MAX_TOKENS`` tokens runs all routed experts in one compiled call, over the
     experts' kernel buffers stacked per layer (:meth:`one_call`); otherwise, and for gradients, each projection is
     called in turn."""
@@ -127,7 +128,7 @@ class UnfusedExperts(_Watched):
         self.num_experts = len(experts)
         self.fused_type = fused_type
         self.path = path   # for messages
-        self._stacked = None   # hf_w4.kernels.cpu_w4a16_moe.StackedExperts, or None
+        self._stacked = None   # a moe_stack.StackedExperts, or None
         self._stack_epoch = -1   # the layout_epoch() it was checked at
         self.one_call_problem = "not checked yet"   # why the experts do not run as one call ("" when they do)
 
@@ -145,10 +146,8 @@ class UnfusedExperts(_Watched):
         (``one_call_problem`` says why). Checked again whenever ``hf_w4.nn.layout_epoch()`` moved."""
         epoch = layout_epoch()
         if self._stack_epoch != epoch:
-            from ..kernels import cpu_w4a16_moe
             experts = [self[i] for i in range(self.num_experts)]
-            self._stacked, self.one_call_problem = cpu_w4a16_moe.stack(self.path, self.names, experts, self.act_fn,
-                                                                       self._stacked)
+            self._stacked, self.one_call_problem = moe_stack.stack(self.path, self.names, experts, self.act_fn)
             self._stack_epoch = epoch
         return self._stacked
 
@@ -157,21 +156,27 @@ class UnfusedExperts(_Watched):
         one = self.one_call()
         if one is not None and one.takes(hidden_states, top_k_weights):
             return one(hidden_states, top_k_index, top_k_weights)
+        return self.per_expert(hidden_states, top_k_index, top_k_weights)
+
+    def per_expert(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward one projection call at a time (each through its module: hooks, adapters, gradients)."""
         # the (token, slot) pairs sorted by expert, gathered once; each expert's rows are then a slice, and the
         # weighted outputs go back in one index_add (indices >= num_experts, masked experts, are skipped)
         gate_name, up_name, down_name = self.names
         if hidden_states.shape[0] == 1:   # one token (decode): its experts in turn, no sorting or scatter
-            out = torch.zeros_like(hidden_states)
+            # weighted in the dtypes of the general path and summed as its index_add_ does on the CPU: in fp32, in
+            # ascending expert order, rounded once
+            acc = torch.zeros(hidden_states.shape, dtype=torch.promote_types(hidden_states.dtype, torch.float32),
+                              device=hidden_states.device)
             weights = top_k_weights[0]
-            # in ascending expert order, as the general path and transformers' eager experts add them
             for e, j in sorted((e, j) for j, e in enumerate(top_k_index[0].tolist())):
                 if e >= self.num_experts:
                     continue
                 expert = self[e]
                 h = self.act_fn(getattr(expert, gate_name)(hidden_states)) * getattr(expert, up_name)(hidden_states)
-                # weighted and summed in the dtypes of the general path (and of transformers' eager experts)
-                out += (getattr(expert, down_name)(h) * weights[j:j + 1]).to(out.dtype)
-            return out
+                acc += (getattr(expert, down_name)(h) * weights[j:j + 1]).to(hidden_states.dtype)
+            return acc.to(hidden_states.dtype)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -22,8 +22,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..kernels.cpu_w4a16 import CpuW4A16Kernel
 from ..nn import QuantLinear
-from .cpu_w4a16 import CpuW4A16Kernel
 
 BUFFERS = ("w4a16_qpack", "w4a16_scales", "w4a16_zs")
 # tokens per call up to which the layer takes the one call: above it each expert's rows make one gemm (per-call costs
@@ -106,50 +106,42 @@ def _problem(path: str, names, experts, act) -> Optional[str]:
     return None
 
 
-def _views_of(stack: StackedExperts, names, experts) -> bool:
-    """Every expert still holds views of ``stack`` (a later check after an unrelated change: nothing to move)."""
-    for e, ex in enumerate(experts):
-        for j, name in enumerate(names):
-            m = getattr(ex, name)
-            src = stack.gate_up if j < 2 else stack.down
-            for b, s in zip(BUFFERS, src):
-                v = s[e, j] if j < 2 else s[e]
-                t = m._buffers[b]
-                if t.data_ptr() != v.data_ptr() or t.shape != v.shape:
-                    return False
-    return True
+def _stacked(mods: List[QuantLinear]) -> Tuple[torch.Tensor, ...]:
+    """Per-layer tensors of these modules' kernel buffers (module i's at index i), one per name in ``BUFFERS``: the
+    common base of their buffers where they are views of one already (a check after an unrelated change: nothing
+    moves), else a new one, each module's buffer moved in as a view of it, one at a time (the old copy goes as its view
+    comes: the packed weights are never held twice)."""
+    out = []
+    for b in BUFFERS:
+        views = [m._buffers[b] for m in mods]
+        base = views[0]._base
+        if not (base is not None and base.shape == (len(mods),) + tuple(views[0].shape) and all(
+                v._base is base and v.data_ptr() == base[i].data_ptr() for i, v in enumerate(views))):
+            base = torch.empty((len(mods),) + tuple(views[0].shape), dtype=views[0].dtype)
+            del views
+            for i, m in enumerate(mods):
+                base[i].copy_(m._buffers[b])
+                m._buffers[b] = base[i]
+        out.append(base)
+    return tuple(out)
 
 
-def stack(path: str, names, experts: List[nn.Module], act, old: Optional[StackedExperts] = None
-          ) -> Tuple[Optional[StackedExperts], str]:
-    """The experts' buffers stacked (moved: each expert's own buffers become views, so nothing is held twice), or
-    (None, why they cannot run as one call). ``old``: a stack these experts may still hold views of (kept as is)."""
+def stack(path: str, names, experts: List[nn.Module], act) -> Tuple[Optional[StackedExperts], str]:
+    """The experts' kernel buffers stacked per layer (each expert's own buffers become views of them), or (None, why
+    they cannot run as one call)."""
     why = _problem(path, names, experts, act)
     if why:
         return None, why
-    if old is not None and _views_of(old, names, experts):
-        return old, ""
     gate, up, down = names
-    first = getattr(experts[0], gate)
-    n_gu, _ = first.held_features
+    e = len(experts)
     # built outside inference mode, so that the per-expert path (whose ops save these for their backwards) can use
     # them later under autograd
     with torch.inference_mode(False), torch.no_grad():
-        def stacked(projs):
-            mods = [getattr(ex, p) for ex in experts for p in projs]
-            out = []
-            for b in BUFFERS:
-                shape = tuple(mods[0]._buffers[b].shape)
-                t = torch.empty((len(mods),) + shape, dtype=mods[0]._buffers[b].dtype)
-                for i, m in enumerate(mods):   # moved one at a time: each old copy goes as its view comes
-                    t[i].copy_(m._buffers[b])
-                    m._buffers[b] = t[i]
-                out.append(t.view((len(experts), len(projs)) + shape) if len(projs) > 1 else t)
-            return tuple(out)
-        gate_up_t = stacked((gate, up))
-        down_t = stacked((down,))
+        gate_up = tuple(t.view((e, 2) + tuple(t.shape[1:]))
+                        for t in _stacked([getattr(ex, p) for ex in experts for p in (gate, up)]))
+        down_t = _stacked([getattr(ex, down) for ex in experts])
         gscale = torch.tensor([[getattr(ex, p).kernel.global_scale for p in names] for ex in experts],
                               dtype=torch.float32)
-    dk = getattr(experts[0], down).kernel
-    return StackedExperts(gate_up_t, down_t, gscale, n_gu, first.kernel.group_size, dk.group_size,
-                          first.kernel.weight_type), ""
+    g, d = getattr(experts[0], gate), getattr(experts[0], down)
+    return StackedExperts(gate_up, down_t, gscale, g.held_features[0], g.kernel.group_size, d.kernel.group_size,
+                          g.kernel.weight_type), ""
