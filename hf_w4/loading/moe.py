@@ -10,7 +10,9 @@ from the model's own merge: ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral
 which the quantizer then swaps for ``QuantLinear`` like any other Linear; the model's merges into such modules
 are dropped, so the tensors load under their stored names and ``save_pretrained`` writes them back the same way.
 The forward is the one of transformers' eager experts (route, per hit expert ``act(gate) * up`` then ``down``,
-weighted, summed), with each projection through the compiled kernel.
+weighted, summed), with each projection through the compiled kernel; where all of them run on cpu_w4a16, a step
+of few tokens runs as one compiled call over the experts' buffers stacked per layer (``moe_stack.py``), with the
+same result.
 
 Unfused are experts modules with the default gate (``act_fn(gate) * up``, concatenated gate then up) and no
 post-expert norm; others (a custom ``_apply_gate`` such as gpt-oss's, interleaved gate/up) stay fused, and a
@@ -150,6 +152,13 @@ class UnfusedExperts(_Watched):
             self._stacked, self.one_call_problem = moe_stack.stack(self.path, self.names, experts, self.act_fn)
             self._stack_epoch = epoch
         return self._stacked
+
+    def one_call_summary(self) -> str:
+        """How the experts run, for ``kernel_report``."""
+        if self.one_call() is not None:
+            return (f"MoE experts: the routed experts of up to {moe_stack.MAX_TOKENS} tokens in one cpu_w4a16_moe call "
+                    "(more tokens, and gradients: one projection at a time)")
+        return f"MoE experts: one projection at a time ({self.one_call_problem})"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,31 @@ def test_one_call_equals_per_expert(written, calls, threads, key, dtype):
     assert rel <= (1e-5 if dtype == torch.float32 else 3e-2), f"{key} {dtype}: off the dense twin by {rel:.2e}"
 
 
+def _isa_available(isa):
+    try:
+        ops.cpu_w4a16_path(1, 64, "int4", 64, torch.float32, isa=isa)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("isa", [i for i in ("generic", "avx2") if _isa_available(i)])
+@pytest.mark.parametrize("key", ["int4-sym", "int4-asym", "nvfp4"])
+def test_one_call_equals_per_expert_on_every_isa(written, calls, threads, monkeypatch, isa, key):
+    # HF_W4_ISA (read by every call) takes both forwards to the same ISA level
+    monkeypatch.setenv("HF_W4_ISA", isa)
+    threads(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        ex = experts_of(AutoModelForCausalLM.from_pretrained(written(key).path, dtype=dtype))
+        for t in (1, 3):
+            h, idx, w = routing(t, seed=t, masked=t > 1)
+            with torch.no_grad():
+                got = ex(h.to(dtype), idx, w.to(dtype))
+                want = ex.per_expert(h.to(dtype), idx, w.to(dtype))
+            assert torch.equal(got, want), f"{isa} {key} {dtype} T={t}: one call differs from the per-expert forward"
+    assert calls[0] == 4
+
+
 def test_decode_through_generate_takes_one_call_per_layer_and_step(written, calls):
     model = AutoModelForCausalLM.from_pretrained(written("int4-sym").path, dtype=torch.bfloat16)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -341,3 +366,15 @@ def test_opcheck(written):
     torch.library.opcheck(torch.ops.hf_w4.cpu_w4a16_moe,
                           (h.bfloat16(), idx, w.bfloat16(), *st.gate_up, *st.down, st.global_scales, I, 16, 16,
                            "nvfp4", "silu", ""))
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
+def test_kernel_report_says_how_the_experts_run(written):
+    import hf_w4
+    rep = hf_w4.kernel_report(AutoModelForCausalLM.from_pretrained(written("int4-sym").path, dtype=torch.bfloat16))
+    want = (f"model.layers.0.mlp.experts: MoE experts: the routed experts of up to {moe_stack.MAX_TOKENS} tokens in one "
+            "cpu_w4a16_moe call")
+    assert want in rep, rep
+    rep = hf_w4.kernel_report(AutoModelForCausalLM.from_pretrained(written("act-order").path, dtype=torch.bfloat16))
+    assert ("model.layers.0.mlp.experts: MoE experts: one projection at a time (model.layers.0.mlp.experts.0.gate_proj "
+            "has an act-order permutation)") in rep, rep
