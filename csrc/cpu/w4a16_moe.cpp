@@ -288,15 +288,6 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
   }
   const char* hb = static_cast<const char*>(h.data_ptr());
 
-  // down inputs: each expert's rows of h (contiguous)
-  std::vector<ExpertInput> din(U);
-  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t e = used[u];
-      din[u].build(hb + start[e] * I * es, dt, start[e + 1] - start[e], I, dn, caps);
-    }
-  });
-
   // per token its rows, in ascending expert order (the order index_add_ adds them in)
   std::vector<int64_t> tok_start(T + 1, 0), tok_rows(R);
   for (int64_t r = 0; r < R; ++r) ++tok_start[row_pair[r] / k + 1];
@@ -309,14 +300,18 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
   const int prod_dt = wd == dt ? dt : DT_F32;
   const void* wp = wts.data_ptr();
 
-  // down: output panels, each thread every routed expert over its panels, then their weighted sum there
+  // down: output panels, each thread every routed expert over its panels, then their weighted sum there. Each
+  // thread builds the experts' inputs (their rows of h, contiguous) itself: a few microseconds at decode, where a
+  // parallel region of its own would add a barrier
   at::Tensor y = at::empty({R, H}, opts);
   char* yb = static_cast<char*>(y.data_ptr());
   void* ob = out.data_ptr();
   at::parallel_for(0, dn.P, 1, [&](int64_t p0, int64_t p1) {
+    ExpertInput din;
     for (int64_t u = 0; u < U; ++u) {
       const int64_t e = used[u];
-      din[u].run(dn.gemm(e, 0, gsc[e * 3 + 2], yb + start[e] * H * es, H, dt), isa, p0, p1);
+      din.build(hb + start[e] * I * es, dt, start[e + 1] - start[e], I, dn, caps);
+      din.run(dn.gemm(e, 0, gsc[e * 3 + 2], yb + start[e] * H * es, H, dt), isa, p0, p1);
     }
     const int64_t c0 = p0 * W4_NP, c1 = std::min(H, p1 * W4_NP);
     for (int64_t t = 0; t < T; ++t)
