@@ -243,32 +243,31 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
   const int64_t es = x.element_size();
   const char* xb = static_cast<const char*>(x.data_ptr());
 
-  // gate / up inputs: each expert's rows of x (at decode every expert has the one token: built once)
+  // gate and up: (expert, projection, panel) items. Each thread builds the inputs of the experts its items touch
+  // (their rows of x, gathered; at decode every expert has the one token and they are built once)
   const PathCaps caps = w4a16_path_caps(isa);
   const bool shared = T == 1 && R == U;
-  std::vector<ExpertInput> gin(shared ? 1 : U);
-  at::parallel_for(0, static_cast<int64_t>(gin.size()), 1, [&](int64_t u0, int64_t u1) {
-    std::vector<char> rows;
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t e = used[u], r0 = start[e], M = start[e + 1] - r0;
-      rows.resize(static_cast<size_t>(M * H * es));
-      for (int64_t r = 0; r < M; ++r)
-        std::memcpy(rows.data() + r * H * es, xb + (row_pair[r0 + r] / k) * H * es, H * es);
-      gin[u].build(rows.data(), dt, M, H, gu, caps);
-    }
-  });
-
-  // gate and up: (expert, projection, panel) items
   at::Tensor gate = at::empty({R, I}, opts), up = at::empty({R, I}, opts);
   char* gp = static_cast<char*>(gate.data_ptr());
   char* upp = static_cast<char*>(up.data_ptr());
   at::parallel_for(0, U * 2 * gu.P, 1, [&](int64_t i0, int64_t i1) {
+    ExpertInput in;
+    std::vector<char> rows;
+    int64_t built = -1;
     for (int64_t i = i0; i < i1;) {
       const int64_t u = i / (2 * gu.P), j = (i / gu.P) % 2, p0 = i % gu.P;
       const int64_t p1 = std::min(gu.P, p0 + (i1 - i));
       const int64_t e = used[u];
+      if (built < 0 || (!shared && built != u)) {
+        const int64_t r0 = start[e], M = start[e + 1] - r0;
+        rows.resize(static_cast<size_t>(M * H * es));
+        for (int64_t r = 0; r < M; ++r)
+          std::memcpy(rows.data() + r * H * es, xb + (row_pair[r0 + r] / k) * H * es, H * es);
+        in.build(rows.data(), dt, M, H, gu, caps);
+        built = u;
+      }
       void* o = (j == 0 ? gp : upp) + start[e] * I * es;
-      gin[shared ? 0 : u].run(gu.gemm(e, j, gsc[e * 3 + j], o, I, dt), isa, p0, p1);
+      in.run(gu.gemm(e, j, gsc[e * 3 + j], o, I, dt), isa, p0, p1);
       i += p1 - p0;
     }
   });
