@@ -117,7 +117,7 @@ def _stacked(mods: List[QuantLinear]) -> Tuple[torch.Tensor, ...]:
         base = views[0]._base
         if not (base is not None and base.shape == (len(mods),) + tuple(views[0].shape) and all(
                 v._base is base and v.data_ptr() == base[i].data_ptr() for i, v in enumerate(views))):
-            base = torch.empty((len(mods),) + tuple(views[0].shape), dtype=views[0].dtype)
+            base = torch.empty((len(mods),) + tuple(views[0].shape), dtype=views[0].dtype, device=views[0].device)
             del views
             for i, m in enumerate(mods):
                 base[i].copy_(m._buffers[b])

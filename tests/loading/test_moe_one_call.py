@@ -175,10 +175,12 @@ def test_many_tokens_and_gradients_take_the_per_expert_forward(written, calls):
     with torch.no_grad():
         ex(h, idx, w)
     assert calls[0] == 0
-    h, idx, w = routing(2)
-    h.requires_grad_(True)
-    ex(h, idx, w).sum().backward()   # the per-expert ops have backwards, the one call has none
-    assert calls[0] == 0 and h.grad is not None and h.grad.abs().sum() > 0
+    for t in (1, 2):
+        h, idx, w = routing(t)
+        h.requires_grad_(True)
+        w.requires_grad_(True)
+        ex(h, idx, w).pow(2).sum().backward()   # the per-expert ops have backwards, the one call has none
+        assert calls[0] == 0 and h.grad.abs().sum() > 0 and w.grad.abs().sum() > 0
 
 
 # ------------------------------------------------------------------------------------------------------------
