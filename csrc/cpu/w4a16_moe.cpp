@@ -189,8 +189,8 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
   TORCH_CHECK(xdt == at::kFloat || xdt == at::kBFloat16 || xdt == at::kHalf, kOp,
               ": x must be float32, bfloat16 or float16, got ", xdt);
   const int64_t T = x_in.size(0), H = x_in.size(1), I = intermediate;
-  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T && !at::isFloatingType(expert_ids.scalar_type()) &&
-                  expert_ids.scalar_type() != at::kBool,
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T &&
+                  at::isIntegralType(expert_ids.scalar_type(), /*includeBool=*/false),
               kOp, ": expert_ids must be an integer tensor [tokens, k] with tokens = ", T, ", got ",
               expert_ids.scalar_type(), " ", expert_ids.sizes());
   const auto wdt = expert_weights.scalar_type();
