@@ -19,16 +19,17 @@ from hf_w4.tools import writers
 
 pytestmark = pytest.mark.usefixtures("hf_w4_installed")
 
-# hidden 256, experts of 96 (three panels of 32 columns, the last a partial one, and not a multiple of 64: silu
+# hidden 256, experts of 80 (three panels of 32 columns, the last a partial one, and not a multiple of 64: silu
 # per expert's rows), 8 experts, top 3
-H, I, E, K = 256, 96, 8, 3
+H, I, E, K = 256, 80, 8, 3
 CFG = dict(vocab_size=128, hidden_size=H, intermediate_size=256, moe_intermediate_size=I, num_hidden_layers=1,
            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=E, num_experts_per_tok=K,
            mlp_only_layers=[], decoder_sparse_step=1, tie_word_embeddings=False)
-# (writer format, options): int4 symmetric, asymmetric (GPTQ, AWQ), NVFP4 (compressed-tensors, ModelOpt)
-FORMATS = {"int4-sym": ("gptq", dict(group_size=32)), "int4-asym": ("gptq", dict(group_size=32, sym=False)),
-           "awq": ("awq", dict(group_size=32)), "nvfp4": ("modelopt-nvfp4", {}), "ct-nvfp4": ("ct-nvfp4", {}),
-           "act-order": ("gptq", dict(group_size=32, desc_act=True))}
+# (writer format, options): int4 symmetric, asymmetric (GPTQ channel-wise: groups of 256 in gate / up, of 80 in down;
+# AWQ), NVFP4 (compressed-tensors, ModelOpt)
+FORMATS = {"int4-sym": ("gptq", dict(group_size=16)), "int4-asym": ("gptq", dict(group_size=-1, sym=False)),
+           "awq": ("awq", dict(group_size=16)), "nvfp4": ("modelopt-nvfp4", {}), "ct-nvfp4": ("ct-nvfp4", {}),
+           "act-order": ("gptq", dict(group_size=16, desc_act=True))}
 
 
 def make_model(seed=0):
@@ -334,7 +335,7 @@ def test_op_rejects_bad_input(written):
     args = lambda **kw: dict(dict(x=h, expert_ids=idx, expert_weights=w, gate_up_qpack=st.gate_up[0],  # noqa: E731
                                   gate_up_scales=st.gate_up[1], gate_up_zs=st.gate_up[2], down_qpack=st.down[0],
                                   down_scales=st.down[1], down_zs=st.down[2], global_scales=st.global_scales,
-                                  intermediate=I, gate_up_group_size=32, down_group_size=32, weight_type="int4"), **kw)
+                                  intermediate=I, gate_up_group_size=H, down_group_size=I, weight_type="int4"), **kw)
     op = torch.ops.hf_w4.cpu_w4a16_moe
     assert torch.equal(op(**args()), experts_of(model).per_expert(h, idx, w))
     bad = idx.clone()
@@ -343,7 +344,7 @@ def test_op_rejects_bad_input(written):
         (dict(expert_ids=bad), r"expert_ids\[1, 2\] = -1 is negative"),
         (dict(expert_ids=idx.float()), "expert_ids must be an integer tensor"),
         (dict(expert_weights=w[:, :2]), "expert_weights must be float32 / bfloat16 / float16 shaped like"),
-        (dict(x=h[:, :128]), "gate_up_qpack must be contiguous uint8"),
+        (dict(x=h[:, :128], gate_up_group_size=128), "gate_up_qpack must be contiguous uint8"),
         (dict(intermediate=64), "gate_up_qpack must be contiguous uint8"),
         (dict(gate_up_group_size=64), "gate_up_scales must be contiguous"),
         (dict(down_group_size=36), "down: the group size must be even and divide K"),
