@@ -73,7 +73,8 @@ MOE_SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts_per_to
 def bench_moe(layers=2, tokens=32, prompt=8, group_size=128, rounds=5, experts=32, log=print):
     """Greedy decode of a Qwen3-MoE-shaped model (random bf16 weights) against the same model loaded through the
     real path: written as GPTQ int4 and ModelOpt NVFP4 checkpoints (one Linear per expert, as the producers
-    write), loaded with from_pretrained (experts unfused by hf_w4.loading.moe, each projection a QuantLinear)."""
+    write), loaded with from_pretrained (experts unfused by hf_w4.loading.moe, each projection a QuantLinear; a
+    decode step's routed experts run as one cpu_w4a16_moe call per layer, hf_w4.loading.moe_stack)."""
     import transformers
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     transformers.logging.set_verbosity_error()
