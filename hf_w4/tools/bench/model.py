@@ -54,7 +54,12 @@ def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log
                 t0 = time.perf_counter()
                 mdl.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
                 runs[k].append(tokens / (time.perf_counter() - t0))
-        split = {k: _time_split(mdl, ids, tokens) for k, mdl in models.items()}
+        # then where each token's time goes, from its own runs (hooks add a few microseconds per layer)
+        splits = {k: [] for k in models}
+        for _ in range(min(rounds, 3)):
+            for k, mdl in models.items():
+                splits[k].append(_time_split(mdl, ids, tokens))
+        split = {k: tuple(statistics.median(part) for part in zip(*v)) for k, v in splits.items()}
     out = {k: statistics.median(v) for k, v in runs.items()}
     log(f"  dense bf16: {out['bf16']:.2f} tok/s ({_split_text(split['bf16'])})")
     for k in [k for k in out if k != "bf16"]:
