@@ -277,8 +277,9 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         layout_changed()
-        # device moves apply, dtype casts do not: the packed tensors and scales keep their on-disk dtypes
-        return super()._apply(lambda t: (lambda o: o if o.dtype == t.dtype else o.to(t.dtype))(fn(t)), recurse)
+        # device moves apply, dtype casts do not: the packed tensors and scales keep their on-disk dtypes and values
+        # (a cast result cast back would have lost the fp32 scales' low bits, so the original goes to the new device)
+        return super()._apply(lambda t: (lambda o: o if o.dtype == t.dtype else t.to(o.device))(fn(t)), recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -381,3 +381,15 @@ def test_kernel_report_says_how_the_experts_run(written):
     rep = hf_w4.kernel_report(AutoModelForCausalLM.from_pretrained(written("act-order").path, dtype=torch.bfloat16))
     assert ("model.layers.0.mlp.experts: MoE experts: one projection at a time (model.layers.0.mlp.experts.0.gate_proj "
             "has an act-order permutation)") in rep, rep
+
+
+def test_whole_model_benchmark_time_split_keeps_the_one_call(written, calls):
+    # the benchmark's split hooks the experts module as a whole, never its projections (a hooked projection would
+    # send the layer to the per-expert forward)
+    from hf_w4.tools.bench.model import _time_split
+    model = AutoModelForCausalLM.from_pretrained(written("int4-sym").path, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        linear, rest = _time_split(model, ids, 6)
+    assert calls[0] == 6 and linear > 0 and rest > 0
