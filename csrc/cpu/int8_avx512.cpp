@@ -37,9 +37,11 @@
 
 namespace hf_w4_int8 {
 namespace {
-// AMD (Zen 5): a single row tile's int8 weight stream runs fastest on the hardware prefetcher alone; the software
-// prefetches (4 KiB ahead into L1, 64 KiB into L2) made M = 1 10-25 % slower there (docs/cpu-kernels.md)
+// AMD (Zen 5): a single row tile streams its int8 weights fastest with the hardware prefetcher alone at 1-2 rows,
+// and with only an 8 KiB prefetch into L2 at 3-6 rows; the 4 KiB (L1) + 64 KiB (L2) prefetches made M = 1 10-25 %
+// slower there (docs/cpu-kernels.md, "Tuning notes")
 const bool kHwStream8 = hf_w4::cpu_caps().amd;
+constexpr int64_t kHwStreamFar = 8192;
 
 HF_T512I __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -168,7 +170,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
       // with one row tile, far into L2; see kHwStream8
       const bool one = a.stream && !a.pfn;
       const int64_t near = a.stream && !(one && kHwStream8) ? HF_PF8 : 0;
-      const int64_t far = one && !kHwStream8 ? 2 * HF_PFF : 0;
+      const int64_t far = !one ? 0 : !kHwStream8 ? 2 * HF_PFF : MR >= 3 ? kHwStreamFar : 0;
       // two quads per iteration (a group of 128 is 32 quads; 4 measured the same as 2; ~5 % faster than 1)
 #define HF_Q8_LOOP(PREFETCH)                                                              \
   _Pragma("GCC unroll 2") for (int64_t q = 0; q < nq; ++q) {                              \
