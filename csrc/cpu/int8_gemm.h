@@ -41,7 +41,7 @@ const char* isa_name(int isa);
 
 // rows held by activation tile t of an M-row call (its quad stride is 4 * that). A short last tile packs only its
 // own rows: a decode call (M = 1) then reads K bytes of activations per panel rather than 6 K, which at K = 11008
-// stayed in L1 next to the weight stream instead of spilling to L2.
+// (66 KiB) did not stay in L1 next to the weight stream.
 inline int64_t tile_rows(int64_t t, int64_t M) { return M - t * MRA < MRA ? M - t * MRA : MRA; }
 
 // per-thread scratch (64-byte aligned, grows; slot 0..3)

@@ -292,6 +292,18 @@ def test_amx_zero_points_out_of_int8_range(shift):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_int8_weights_across_k_blocks(isa):
+    # int8 weights shared by several row tiles are read in K blocks (4096 k on AVX-512, 512 elsewhere): a channel
+    # spanning three blocks (the last one 8 k) and groups that straddle block boundaries (int32 partial sums)
+    g = torch.Generator().manual_seed(12)
+    for k, gs in ((8200, -1), (6144, 1536), (4608, 576)):
+        spec, qw = make_qweight("w8a8", 64, k, gs, seed=k)
+        x = torch.randn(13, k, generator=g).bfloat16()
+        for act in ("int8_token", "int8_group"):
+            check(run_kernel(qw, x, act, isa), reference(qw, x, act), torch.bfloat16, f"K={k} g={gs} {act} {isa}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_short_activation_tiles(isa):
     # the last activation tile packs only its own rows (1-5 of 6): every short tile, alone (M <= 6) and after full
     # tiles (M = 7-11), with K and groups that are not multiples of 16 (the quantizers' scalar tails)
