@@ -25,6 +25,20 @@ from . import env, layouts
 from .formats.spec import W4Spec
 from .kernels import registry
 
+# Bumped whenever a QuantLinear's kernel buffers, device or hooks change: a MoE layer that runs its experts' packed
+# weights in one call, without calling their modules (hf_w4.loading.moe_stack), checks them again only then.
+_layout_epoch = 0
+
+
+def layout_changed() -> None:
+    global _layout_epoch
+    _layout_epoch += 1
+
+
+def layout_epoch() -> int:
+    return _layout_epoch
+
+
 def keep_checkpoint_tensors() -> bool:
     """``HF_W4_KEEP_CHECKPOINT_TENSORS``: keep the checkpoint's code tensor next to the kernel's copy."""
     return env.switch("HF_W4_KEEP_CHECKPOINT_TENSORS")
@@ -124,6 +138,7 @@ class QuantLinear(nn.Module):
         this module) instead of in the layer; they are brought to ``device`` (default: as they come) to run. The
         kernel's copy is built from them for each forward and dropped after it, so an offloaded layer holds packed
         weights only while it runs."""
+        layout_changed()
         self._offload_source = source
         self._offload_device = torch.device(device) if device is not None else None
         for b in list(self._non_persistent_buffers_set):  # a kernel's copy
@@ -188,6 +203,7 @@ class QuantLinear(nn.Module):
         self._select_kernel(dtype, force, deny)
 
     def _select_kernel(self, dtype: torch.dtype, force: Optional[str], deny: Sequence[str]) -> None:
+        layout_changed()
         tensors = {t: v.data for t, v in self.checkpoint_tensors().items()}  # before the old kernel's buffers go
         device = next(iter(tensors.values())).device
         n, k = self.held_features
@@ -251,9 +267,19 @@ class QuantLinear(nn.Module):
                 return self.kernel.apply(self, x, self.bias)
         return self.kernel.apply(self, x, self.bias)
 
+    def register_forward_hook(self, *args, **kwargs):
+        layout_changed()
+        return super().register_forward_hook(*args, **kwargs)
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        layout_changed()
+        return super().register_forward_pre_hook(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
-        # device moves apply, dtype casts do not: the packed tensors and scales keep their on-disk dtypes
-        return super()._apply(lambda t: (lambda o: o if o.dtype == t.dtype else o.to(t.dtype))(fn(t)), recurse)
+        layout_changed()
+        # device moves apply, dtype casts do not: the packed tensors and scales keep their on-disk dtypes and values
+        # (a cast result cast back would have lost the fp32 scales' low bits, so the original goes to the new device)
+        return super()._apply(lambda t: (lambda o: o if o.dtype == t.dtype else t.to(o.device))(fn(t)), recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

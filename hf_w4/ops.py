@@ -46,6 +46,18 @@ lib.define("cpu_w4a16_path(int m, int k, str weight_type, int group_size, bool a
 # cpu_w4a16_gemm.
 lib.define("cpu_w4a16_quant_x16(Tensor x, int block, int l1max=0, str isa=\"\") -> (Tensor, Tensor, Tensor)")
 
+# cpu_w4a16_moe: one MoE layer's routed experts in one call, y [T, H] in x's dtype = per token the sum over its slots
+# (expert_ids [T, k], ids >= E skipped) of weight * down_e(silu(gate_e(x)) * up_e(x)), summed in ascending expert
+# order with the rounding of transformers' eager experts. The experts' weights are cpu_w4a16 layouts stacked per
+# layer: gate_up_qpack uint8 [E, 2, ceil(I/32), H/2, 32] (gate then up), its scales [E, 2, ceil(I/32), H/gs, 32]
+# and zs (asymmetric int4, else empty); down_qpack [E, ceil(H/32), I/2, 32] and its scales / zs likewise;
+# global_scales fp32 [E, 3] (gate, up, down: NVFP4's global scales, 1 for int4). Each projection runs the small-M
+# kernel cpu_w4a16_gemm takes for its rows (bit-identical to it there); csrc/cpu/w4a16_moe.cpp.
+lib.define("cpu_w4a16_moe(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate_up_qpack, "
+           "Tensor gate_up_scales, Tensor gate_up_zs, Tensor down_qpack, Tensor down_scales, Tensor down_zs, "
+           "Tensor global_scales, int intermediate, int gate_up_group_size, int down_group_size, str weight_type, "
+           "str act=\"silu\", str isa=\"\") -> Tensor")
+
 
 def _w4a16_panels(n: int) -> int:
     return (n + 31) // 32
@@ -73,6 +85,14 @@ def _cpu_w4a16_gemm_fake(x, qpack, scales, zs, perm, bias, n, group_size, weight
                          isa="", path=-1):
     torch._check(x.dim() == 2, lambda: "cpu_w4a16_gemm: x must be 2-D")
     return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("hf_w4::cpu_w4a16_moe")
+def _cpu_w4a16_moe_fake(x, expert_ids, expert_weights, gate_up_qpack, gate_up_scales, gate_up_zs, down_qpack,
+                        down_scales, down_zs, global_scales, intermediate, gate_up_group_size, down_group_size,
+                        weight_type, act="silu", isa=""):
+    torch._check(x.dim() == 2, lambda: "cpu_w4a16_moe: x must be 2-D")
+    return x.new_empty(x.shape)
 
 
 def cpu_w4a16_repack(qw, perm=None):

@@ -33,4 +33,13 @@ def kernel_report(model: nn.Module, per_layer: bool = False) -> str:
     for (pattern, fmt, kernel, why), names in groups.items():
         label = names[0] if len(names) == 1 else f"{pattern} ({len(names)} layers)"
         lines.append(f"{label}: {fmt} -> {kernel} (rejected: {why})")
+    # MoE layers of per-expert QuantLinears (hf_w4.loading.moe.UnfusedExperts): one call per step, or why not
+    moe: Dict[tuple, List[str]] = {}
+    for name, m in model.named_modules():
+        if callable(getattr(m, "one_call_summary", None)):
+            pattern = name if per_layer else re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+            moe.setdefault((pattern, m.one_call_summary()), []).append(name)
+    for (pattern, summary), names in moe.items():
+        label = names[0] if len(names) == 1 else f"{pattern} ({len(names)} layers)"
+        lines.append(f"{label}: {summary}")
     return "\n".join(lines) if lines else "no hf_w4 QuantLinear modules"

@@ -11,6 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_w4 import _ext
+# the op schemas before the library registers kernels for them: a kernel without its schema breaks torch's import of
+# inductor (it looks every registered op up by name), which zentorch's import runs
+from hf_w4 import ops  # noqa: F401
 
 if os.environ.get("HF_W4_TEST_EMULATED_AVX512") == "1":
     # run by tests/kernels/test_avx512_emulated.py with HF_W4_LIBRARY = the build whose AVX-512 kernels run on AVX2

@@ -77,7 +77,7 @@ HF_TAVX2I void prefetch4(const uint8_t* p) {
       for (int h = 0; h < 2; ++h) {                                                         \
         HF2_ROWS(HF2_DECL)                                                                  \
         HF2_ROWS(HF2_INIT)                                                                  \
-        const int8_t* A = a.a + (gs0 / 4) * MRA * 4;                                        \
+        const int8_t* A = a.a + (gs0 / 4) * a.qs;                                        \
         const bool pf = a.stream && h == 0;  /* the first half pulls the weights from memory */  \
         if constexpr (!OTF) {                                                               \
           const uint8_t* B = a.b + (gs0 - a.kb0) * NR + 128 * h;                            \
@@ -94,7 +94,7 @@ HF_TAVX2I void prefetch4(const uint8_t* p) {
             HF2_J(2, b)                                                                     \
             b = _mm256_loadu_si256((const __m256i*)(B + 96));                               \
             HF2_J(3, b)                                                                     \
-            A += MRA * 4;                                                                   \
+            A += a.qs;                                                                   \
             B += 256;                                                                       \
           }                                                                                 \
         } else {                                                                            \
@@ -113,7 +113,7 @@ HF_TAVX2I void prefetch4(const uint8_t* p) {
               }                                                                             \
             }                                                                               \
             {                                                                               \
-              const int8_t* AQ = A + MRA * 4;                                               \
+              const int8_t* AQ = A + a.qs;                                               \
               HF2_ROWS(HF2_A)                                                               \
               for (int j = 0; j < 4; ++j) {                                                 \
                 const __m256i b = _mm256_and_si256(                                         \
@@ -122,7 +122,7 @@ HF_TAVX2I void prefetch4(const uint8_t* p) {
                 else if (j == 2) { HF2_J(2, b) } else { HF2_J(3, b) }                       \
               }                                                                             \
             }                                                                               \
-            A += 2 * MRA * 4;                                                               \
+            A += 2 * a.qs;                                                               \
             B += 256;                                                                       \
           }                                                                                 \
         }                                                                                   \
@@ -206,7 +206,7 @@ HF_TAVX2 __attribute__((noinline)) void tile_nib(const TileArgs& a) {
                             : _mm256_setzero_si256();
           s[r][j] = _mm256_setzero_si256();
         }
-      const int8_t* A = a.a + (gs0 / 4) * MRA * 4;
+      const int8_t* A = a.a + (gs0 / 4) * a.qs;
       const bool pf = a.stream && h == 0;  // the first half pulls the weights from memory
       const int64_t nq = (gs1 - gs0) / 4;  // even: Gp and block bounds are multiples of 8
       if constexpr (!OTF) {
@@ -219,7 +219,7 @@ HF_TAVX2 __attribute__((noinline)) void tile_nib(const TileArgs& a) {
                                   _mm256_loadu_si256((const __m256i*)(B + 64)),
                                   _mm256_loadu_si256((const __m256i*)(B + 96))};
             nib_quad<MR>(b, A, s);
-            A += MRA * 4;
+            A += a.qs;
             B += 256;
           }
           nib_flush<MR>(s, c);
@@ -237,8 +237,8 @@ HF_TAVX2 __attribute__((noinline)) void tile_nib(const TileArgs& a) {
             }
             nib_quad<MR>(b, A, s);
             for (int j = 0; j < 4; ++j) b[j] = _mm256_and_si256(_mm256_srli_epi16(raw[j], 4), mask);
-            nib_quad<MR>(b, A + MRA * 4, s);
-            A += 2 * MRA * 4;
+            nib_quad<MR>(b, A + a.qs, s);
+            A += 2 * a.qs;
             B += 256;
           }
           nib_flush<MR>(s, c);
@@ -263,6 +263,7 @@ template <bool VNNI>
 struct TAvx2 {
   static constexpr int MR = VNNI ? 3 : 2;
   static constexpr bool kFusedDecode = false;
+  static constexpr int64_t kKcInt8 = KC;
   static void tile(const TileArgs& a) {
     hf_w4::with_rows<1, 2, MR>(a.mr, [&](auto r) {
       if (a.otf) tile_avx2<decltype(r)::value, true, VNNI>(a);
@@ -347,11 +348,9 @@ HF_TAVX2 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
     int8_t* At = q.A + t * MRA * g.Kp;
     for (int r = 0; r < MRA; ++r) {
       const int64_t m = t * MRA + r;
+      if (m >= q.M) break;
       int8_t* Ar = At + r * 4;
-      if (m >= q.M) {
-        for (int64_t qd = 0; qd < g.Kp / 4; ++qd) std::memset(Ar + qd * MRA * 4, 0, 4);
-        continue;
-      }
+      const int64_t QS = 4 * tile_rows(t, q.M);
       const char* xr = (const char*)q.x + m * q.ldx * es;
       if (q.perm) {
         for (int64_t j = 0; j < K; ++j) buf[j] = x1(xr, q.in_type, q.perm[j]);
@@ -386,8 +385,8 @@ HF_TAVX2 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           alignas(16) int8_t tmp[16];
           _mm_store_si128((__m128i*)tmp, p8);
           const int64_t kp = gi * Gp + j;  // multiple of 4 (Gp % 8 == 0, j % 8 == 0)
-          std::memcpy(Ar + (kp / 4) * MRA * 4, tmp, 4);
-          std::memcpy(Ar + (kp / 4 + 1) * MRA * 4, tmp + 4, 4);
+          std::memcpy(Ar + (kp / 4) * QS, tmp, 4);
+          std::memcpy(Ar + (kp / 4 + 1) * QS, tmp + 4, 4);
         }
         int32_t sum = hsum8(vsum);
         for (; j < Gp; ++j) {
@@ -395,7 +394,7 @@ HF_TAVX2 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
           int8_t v = 0;
           if (j < gs) v = q8(xg[j], s);
           sum += v;
-          Ar[(kp / 4) * MRA * 4 + kp % 4] = v;
+          Ar[(kp / 4) * QS + kp % 4] = v;
         }
         q.asum[m * g.G + gi] = sum;
       }

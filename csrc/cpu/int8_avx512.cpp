@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common/amx_tiles.h"
+#include "common/cpu_features.h"
 #include "common/convert.h"
 #include "common/dispatch.h"
 #include "int8_gemm.h"
@@ -36,6 +37,11 @@
 
 namespace hf_w4_int8 {
 namespace {
+// AMD (Zen 5): a single row tile streams its int8 weights fastest with the hardware prefetcher alone at 1-2 rows,
+// and with only an 8 KiB prefetch into L2 at 3-6 rows; the 4 KiB (L1) + 64 KiB (L2) prefetches made M = 1 10-25 %
+// slower there (docs/cpu-kernels.md, "Tuning notes")
+const bool kHwStream8 = hf_w4::cpu_caps().amd;
+constexpr int64_t kHwStreamFar = 8192;
 
 HF_T512I __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -110,7 +116,7 @@ HF_T512I __m512i bcast4(const int8_t* p) {
     const __m512i al = bcast4(A + r * 4);                                            \
     c##r##J = _mm512_dpbusd_epi32(c##r##J, lo0, al);                                 \
     c##r##J1 = _mm512_dpbusd_epi32(c##r##J1, lo1, al);                               \
-    const __m512i ah = bcast4(A + MRA * 4 + r * 4);                                  \
+    const __m512i ah = bcast4(A + qs + r * 4);                                       \
     c##r##J = _mm512_dpbusd_epi32(c##r##J, hi0, ah);                                 \
     c##r##J1 = _mm512_dpbusd_epi32(c##r##J1, hi1, ah);                               \
   }
@@ -130,7 +136,8 @@ HF_T512I __m512i bcast4(const int8_t* p) {
 // with far > 0, `far` bytes ahead into L2 (no ISA attribute: the AMX conversion uses it too)
 __attribute__((always_inline)) inline void prefetch_weights(const void* src, int64_t near, int64_t far) {
   const char* c = static_cast<const char*>(src);
-  for (int j = 0; j < 4; ++j) _mm_prefetch(c + near + 64 * j, _MM_HINT_T0);
+  if (near > 0)
+    for (int j = 0; j < 4; ++j) _mm_prefetch(c + near + 64 * j, _MM_HINT_T0);
   if (far > 0)
     for (int j = 0; j < 4; ++j) _mm_prefetch(c + far + 64 * j, _MM_HINT_T1);
 }
@@ -144,7 +151,7 @@ HF_T512I void prefetch_share(const char*& pf, const char* pfe) {
 
 template <int MR, bool OTF>
 HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
-  const int64_t Gp = a.Gp;
+  const int64_t Gp = a.Gp, qs = a.qs;
   const __m512i mask = _mm512_set1_epi8(0x0f);
   const char* pf = a.pf;
   const char* const pfe = a.pf + 64 * a.pfn;
@@ -155,23 +162,31 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
     const int32_t* zp = a.zeros ? a.zeros + g * NR : nullptr;
     HF_ROWS(HF_DECL)
     HF_ROWS(HF_INIT)
-    const int8_t* A = a.a + (gs0 / 4) * MRA * 4;
+    const int8_t* A = a.a + (gs0 / 4) * qs;
     if constexpr (!OTF) {
       const uint8_t* B = a.b + (gs0 - a.kb0) * NR;
       const int64_t nq = (gs1 - gs0) / 4;
+      // the weight prefetch of a tile that streams the block from memory (TileArgs::stream): near into L1 and,
+      // with one row tile, far into L2; see kHwStream8
+      const bool one = a.stream && !a.pfn;
+      const int64_t near = a.stream && !(one && kHwStream8) ? HF_PF8 : 0;
+      const int64_t far = !one ? 0 : !kHwStream8 ? 2 * HF_PFF : MR >= 3 ? kHwStreamFar : 0;
       // two quads per iteration (a group of 128 is 32 quads; 4 measured the same as 2; ~5 % faster than 1)
-#pragma GCC unroll 2
-      for (int64_t q = 0; q < nq; ++q) {
-        if (a.stream) {  // one row tile: the weight streams from memory, keep several KiB in flight
-          prefetch_weights(B, HF_PF8, a.pfn ? 0 : 2 * HF_PFF);
-        }
-        prefetch_share(pf, pfe);
-        const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);
-        const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);
-        HF_ROWS(HF_STEP4)
-        A += MRA * 4;
-        B += 256;
+#define HF_Q8_LOOP(PREFETCH)                                                              \
+  _Pragma("GCC unroll 2") for (int64_t q = 0; q < nq; ++q) {                              \
+    PREFETCH                                                                              \
+    const __m512i b0 = _mm512_loadu_si512(B), b1 = _mm512_loadu_si512(B + 64);           \
+    const __m512i b2 = _mm512_loadu_si512(B + 128), b3 = _mm512_loadu_si512(B + 192);    \
+    HF_ROWS(HF_STEP4)                                                                     \
+    A += qs;                                                                              \
+    B += 256;                                                                             \
+  }
+      if (near == 0 && far == 0 && pf >= pfe) {  // no prefetch: the loop without its tests
+        HF_Q8_LOOP()
+      } else {
+        HF_Q8_LOOP(prefetch_weights(B, near, far); prefetch_share(pf, pfe);)
       }
+#undef HF_Q8_LOOP
     } else {
       const uint8_t* B = a.b + (gs0 - a.kb0) * (NR / 2);
       uint8_t* D = a.dec ? a.dec + (gs0 - a.kb0) * NR : nullptr;
@@ -183,7 +198,7 @@ HF_T512 __attribute__((noinline)) void tile512(const TileArgs& a) {
         // the second pair re-reads the activation quads: broadcasts from memory (load ports only), not from GPRs
         asm volatile("" ::: "memory");
         HF_OTF_JP(2, 3)
-        A += 2 * MRA * 4;
+        A += 2 * qs;
         B += 256;
         if (D) D += 512;
       }
@@ -211,6 +226,10 @@ HF_T512I __m512 load16(const void* x, int t, int64_t i) {
 struct T512 {
   static constexpr int MR = MRA;
   static constexpr bool kFusedDecode = true;
+  // int8 blocks of 4096 k (256 KiB, read from L2 by every row tile) rather than 512 (32 KiB, from L1): a tile
+  // call then covers 8x the k steps and, for K <= 4096, no group is split across blocks (no int32 partials
+  // stored and reloaded). Zen 5, 1 thread, W8A8: M = 16 15 % faster, M = 256-1024 3-4 % (docs/cpu-kernels.md)
+  static constexpr int64_t kKcInt8 = 4096;
   static void tile(const TileArgs& a) {
     hf_w4::with_rows<1, 2, 3, 4, 5, 6>(a.mr, [&](auto r) {
       if (a.otf) tile512<decltype(r)::value, true>(a);
@@ -268,15 +287,11 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
     int8_t* At = q.A + t * MRA * g.Kp;
     for (int r = 0; r < MRA; ++r) {
       const int64_t m = t * MRA + r;
-      // VNNI layout: quad stride MRA*4 inside the 6-row tile. AMX layout (q.rowmajor): blocks of 16 rows, each
+      // VNNI layout: quad stride 4 * tile_rows inside the tile. AMX layout (q.rowmajor): blocks of 16 rows, each
       // a run of 16x64-byte tiles (tile kt of block b at A + b*16*Kp + kt*1024, row r at +64r), see amx_aoff
+      if (m >= q.M) break;
       int8_t* Ar = q.rowmajor ? q.A + (m / 16) * 16 * g.Kp + (m % 16) * 64 : At + r * 4;
-      const int64_t QS = MRA * 4;
-      if (m >= q.M) {
-        if (!q.rowmajor)
-          for (int64_t qd = 0; qd < g.Kp / 4; ++qd) std::memset(Ar + qd * QS, 0, 4);
-        continue;
-      }
+      const int64_t QS = 4 * tile_rows(t, q.M);
       const char* xr = (const char*)q.x + m * q.ldx * es;
       // row -> fp32 buffer (gathered through the act-order permutation)
       if (q.perm) {
@@ -385,6 +400,131 @@ HF_T512 void quant_tiles_impl(const QuantArgs& q, int64_t t0, int64_t t1) {
         }
         q.asum[m * g.G + gi] = sum;
       }
+    }
+  }
+}
+
+// ---- activation quantizer for the VNNI tile layout without a permutation (every call but act-order and AMX)
+// Reads x directly (no fp32 copy of the row), finds each row's (or group's) abs maximum on the raw bits, and
+// quantizes a tile's rows 16 k at a time: the rows' 4-byte quads are interleaved in registers (vpermt2d) and
+// stored as one run of 16 * rows bytes instead of 4 scattered stores per row. Bit-identical to quant_tiles_impl
+// (same quotient, same near-tie fallback, same clamp). Zen 5, M = 1024, K = 4096, N = 64 (where quantizing is
+// half the call): 1.34-1.46 -> 1.27-1.29 ms per call.
+
+// the abs_bits maximum (see act_scale) of x[i0, i0 + n) of a row of type t. bf16 / fp16 order by their 15 low
+// bits as fp32 does by its 31 (nan above inf above every finite value), so the maximum is taken on the raw bits
+HF_T512 uint32_t amax_bits_x(const char* xr, int t, int64_t i0, int64_t n) {
+  int64_t j = 0;
+  if (t == OUT_F32) {
+    const float* p = (const float*)xr + i0;
+    const __m512i am = _mm512_set1_epi32(0x7fffffff);
+    __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+    for (; j + 32 <= n; j += 32) {
+      m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+      m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(p + j + 16), am));
+    }
+    for (; j + 16 <= n; j += 16) m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+    uint32_t m = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+    for (; j < n; ++j) m = std::max(m, abs_bits(p[j]));
+    return m;
+  }
+  const uint16_t* p = (const uint16_t*)xr + i0;
+  const __m512i am = _mm512_set1_epi16(0x7fff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+  for (; j + 64 <= n; j += 64) {
+    m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+    m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(p + j + 32), am));
+  }
+  for (; j + 32 <= n; j += 32) m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+  m0 = _mm512_max_epu16(m0, m1);
+  const __m256i h = _mm256_max_epu16(_mm512_castsi512_si256(m0), _mm512_extracti64x4_epi64(m0, 1));
+  const __m128i h2 = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  // max of 8 u16 = ~min of their complements (phminposuw)
+  uint16_t mb = (uint16_t)~_mm_extract_epi16(_mm_minpos_epu16(_mm_xor_si128(h2, _mm_set1_epi32(-1))), 0);
+  for (; j < n; ++j) mb = std::max<uint16_t>(mb, p[j] & 0x7fff);
+  return t == OUT_BF16 ? (uint32_t)mb << 16 : abs_bits(f16_bits_to_f32(mb));
+}
+
+inline float load_x1(const char* xr, int t, int64_t i) {
+  if (t == OUT_F32) return ((const float*)xr)[i];
+  if (t == OUT_BF16) return bf16_bits_to_f32(((const uint16_t*)xr)[i]);
+  return f16_bits_to_f32(((const uint16_t*)xr)[i]);
+}
+
+template <int R>
+HF_T512 void quant_tile_fast(const QuantArgs& q, int64_t t) {
+  const Geometry& g = q.g;
+  const int64_t gs = g.gs, Gp = g.Gp, G = g.G, QS = 4 * R;
+  const int es = q.in_type == OUT_F32 ? 4 : 2;
+  int8_t* At = q.A + t * MRA * g.Kp;
+  const char* xr[R];
+  float s_tok[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = t * MRA + r;
+    xr[r] = (const char*)q.x + m * q.ldx * es;
+    if (!q.act_group) q.ascale[m] = s_tok[r] = act_scale(amax_bits_x(xr[r], q.in_type, 0, g.K));
+  }
+  // 16 k of R rows = R x 4 dwords (row r's in lanes 4r..4r+3 of a (r < 4) or 4(r-4).. of b) -> 4R dwords in
+  // tile order (quad j, row r at dword R j + r): lane o of the result takes row o % R, quad o / R
+  alignas(64) int32_t idx[32];
+  for (int o = 0; o < 32; ++o) {
+    const int r = o % R, j = o / R;
+    idx[o] = j < 4 ? (r < 4 ? 4 * r + j : 16 + 4 * (r - 4) + j) : 0;
+  }
+  const __m512i idx0 = _mm512_load_si512(idx), idx1 = _mm512_load_si512(idx + 16);
+  const __mmask16 st0 = 4 * R >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (4 * R)) - 1);
+  const __mmask16 st1 = 4 * R > 16 ? (__mmask16)((1u << (4 * R - 16)) - 1) : 0;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  const __m512 thr = _mm512_set1_ps(0.5f - 1.f / 1024);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    float s[R], inv[R];
+    __m512i vsum[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = t * MRA + r;
+      s[r] = q.act_group ? (q.ascale[m * G + gi] = act_scale(amax_bits_x(xr[r], q.in_type, gi * gs, gs))) : s_tok[r];
+      inv[r] = 1.f / s[r];
+      vsum[r] = _mm512_setzero_si512();
+    }
+    int64_t j = 0;
+    for (; j + 16 <= gs; j += 16) {
+      __m128i qv[R];
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        // x / s (correctly rounded) then round half to even: the quotient from x * (1/s) is within 2^-15 of the
+        // correctly rounded one (|x/s| <= 128), so both round alike unless it lies within 2^-10 of a .5 boundary
+        // (or is not finite); those lanes (rare) are divided exactly
+        const __m512 xv = load16(xr[r], q.in_type, gi * gs + j);
+        __m512 v = _mm512_mul_ps(xv, _mm512_set1_ps(inv[r]));
+        __m512 rv = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __mmask16 tie = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(v, rv), absmask), thr, _CMP_NLE_UQ);
+        if (tie) {
+          v = _mm512_mask_div_ps(v, tie, xv, _mm512_set1_ps(s[r]));
+          rv = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(rv, lo), hi));
+        vsum[r] = _mm512_add_epi32(vsum[r], qi);
+        qv[r] = _mm512_cvtepi32_epi8(qi);
+      }
+      __m512i a = _mm512_castsi128_si512(qv[0]), b = _mm512_setzero_si512();
+      if constexpr (R > 1) a = _mm512_inserti32x4(a, qv[1], 1);
+      if constexpr (R > 2) a = _mm512_inserti32x4(a, qv[2], 2);
+      if constexpr (R > 3) a = _mm512_inserti32x4(a, qv[3], 3);
+      if constexpr (R > 4) b = _mm512_castsi128_si512(qv[4]);
+      if constexpr (R > 5) b = _mm512_inserti32x4(b, qv[5], 1);
+      int8_t* d = At + ((gi * Gp + j) / 4) * QS;  // gi * Gp + j is a multiple of 4 (Gp % 8 == 0)
+      _mm512_mask_storeu_epi32(d, st0, _mm512_permutex2var_epi32(a, idx0, b));
+      if constexpr (4 * R > 16) _mm512_mask_storeu_epi32(d + 64, st1, _mm512_permutex2var_epi32(a, idx1, b));
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t sum = _mm512_reduce_add_epi32(vsum[r]);
+      for (int64_t jj = j; jj < Gp; ++jj) {
+        const int64_t kp = gi * Gp + jj;
+        const int8_t v = jj < gs ? q8(load_x1(xr[r], q.in_type, gi * gs + jj), s[r]) : 0;
+        sum += v;
+        At[(kp / 4) * QS + r * 4 + kp % 4] = v;
+      }
+      q.asum[(t * MRA + r) * G + gi] = sum;
     }
   }
 }
@@ -683,7 +823,11 @@ HF_TAMX void amx_items(const Plan& p, int64_t i0, int64_t i1) {
 void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1) { amx_items(p, i0, i1); }
 
 void gemm_items_avx512(const Plan& p, int64_t i0, int64_t i1) { run_items<T512>(p, i0, i1); }
-void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) { quant_tiles_impl(q, t0, t1); }
+void quant_tiles_avx512(const QuantArgs& q, int64_t t0, int64_t t1) {
+  if (q.perm || q.rowmajor) return quant_tiles_impl(q, t0, t1);
+  for (int64_t t = t0; t < t1; ++t)
+    hf_w4::with_rows<1, 2, 3, 4, 5, 6>(tile_rows(t, q.M), [&](auto r) { quant_tile_fast<decltype(r)::value>(q, t); });
+}
 
 }  // namespace hf_w4_int8
 

@@ -10,8 +10,9 @@
 //     nibble and code(quad 2q2+1, i) in the high nibble (codes 0..15 unsigned).
 //   * scales: float [P][G][64]; zeros (asymmetric int4 only): int32 [P][G][64]; otherwise a constant zero
 //     point zconst (128 for int8, 8 for symmetric int4). Dense weight = (u - zero) * scale.
-// Packed activations: tiles of MRA = 6 rows; tile t is Kp/4 quads of 6 rows x 4 bytes (int8 codes),
-// plus asum [M][G] (sum of the codes of each group) and ascale [M] (per token) or [M][G] (per group).
+// Packed activations: tiles of MRA = 6 rows; tile t (at t * MRA * Kp) is Kp/4 quads of tile_rows(t, M) rows x 4
+// bytes (int8 codes; the last tile holds only the rows left, no padding rows), plus asum [M][G] (sum of the codes
+// of each group) and ascale [M] (per token) or [M][G] (per group).
 // Result: y[m][n] = sum_g scale[n][g] * ascale * (sum_k a*u - zero*asum[m][g]), exact integer dot per group.
 #pragma once
 #include <algorithm>
@@ -26,7 +27,9 @@ namespace hf_w4_int8 {
 
 constexpr int NR = 64;
 constexpr int MRA = 6;
-constexpr int64_t KC = 512;  // packed-K block kept in L1 when several row tiles share a weight block
+// packed-K block of the weights that several row tiles share: int4 blocks are decoded into an L1 buffer; int8
+// blocks are read in place, by default also from L1 (T::kKcInt8 sets a kernel's own size)
+constexpr int64_t KC = 512;
 
 enum Isa : int { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3 };
 enum OutType : int { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
@@ -35,6 +38,11 @@ enum WType : int { W_INT8 = 0, W_INT4 = 1 };
 // The kernel variants; the ISA level (common/cpu_features.h) picks one: avx512 -> ISA_AVX512, avx2 -> ISA_AVXVNNI
 // where the CPU has AVX-VNNI, else ISA_AVX2 (vpdpbusd emulated), generic -> ISA_GENERIC.
 const char* isa_name(int isa);
+
+// rows held by activation tile t of an M-row call (its quad stride is 4 * that). A short last tile packs only its
+// own rows: a decode call (M = 1) then reads K bytes of activations per panel rather than 6 K, which at K = 11008
+// (66 KiB) did not stay in L1 next to the weight stream.
+inline int64_t tile_rows(int64_t t, int64_t M) { return M - t * MRA < MRA ? M - t * MRA : MRA; }
 
 // per-thread scratch (64-byte aligned, grows; slot 0..3)
 void* thread_scratch(int slot, size_t bytes);
@@ -97,7 +105,8 @@ void gemm_items_amx(const Plan& p, int64_t i0, int64_t i1);
 
 // ---- per row tile arguments of a micro-kernel call
 struct TileArgs {
-  const int8_t* a;       // activation tile at row r0, packed k = 0 (quad stride MRA*4 bytes)
+  const int8_t* a;       // activation tile at row r0, packed k = 0
+  int64_t qs;            // the tile's quad stride (bytes): 4 * its rows
   const uint8_t* b;      // weight block base (packed k = kb0)
   int64_t kb0;
   bool otf;              // b holds nibble pairs (int4, decoded on the fly) rather than u8 quads
@@ -165,7 +174,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
     const float* Sp = p.scales + pn * G * NR;
     const int32_t* Zp = p.zeros ? p.zeros + pn * G * NR : nullptr;
     const bool single = ntiles == 1;
-    const int64_t kc = single ? Kp : KC;
+    const int64_t kc = single ? Kp : g.wtype == W_INT8 ? T::kKcInt8 : KC;
     float* Cf = (float*)thread_scratch(0, (size_t)ntiles * MRA * NR * 4);
     // int32 partials of a group split across K blocks (a group longer than a block, or one straddling a block
     // boundary when Gp does not divide KC, e.g. group 192)
@@ -207,6 +216,7 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
           TileArgs a;
           const int64_t m = m0 + t * MRA + r0;
           a.a = At + r0 * 4;
+          a.qs = 4 * tr;
           a.b = Bb; a.kb0 = k0; a.otf = otf; a.w4 = g.wtype == W_INT4; a.s0 = k0; a.s1 = k1; a.Gp = Gp; a.G = G;
           a.dec = nullptr;
           if (fuse && t == 0 && r0 == 0) {  // the first tile decodes the block on the fly into the buffer
@@ -226,6 +236,16 @@ void run_items(const Plan& p, int64_t i0, int64_t i1) {
           // (W4A8: 5-10 % faster at M = 8-48; W8A8 level, its first tile streams the block)
           a.pfn = single ? 0 : (nlines * (t + 1)) / ntiles - (nlines * t) / ntiles;
           a.pf = a.pfn ? nxt + 64 * ((nlines * t) / ntiles) : nullptr;
+          if (k1 == Kp && !single) {
+            // the tile's output rows, written by store_rows after the last block: requested now, the lines
+            // arrive while the tile computes rather than one cache miss per row at the store (M = 1024: ~1 %)
+            const int64_t es = p.out_type == OUT_F32 ? 4 : 2;
+            const int64_t nb = ((g.N - pn * NR < NR) ? g.N - pn * NR : NR) * es;
+            for (int r = 0; r < a.mr; ++r) {
+              const char* o = (const char*)p.out + ((m + r) * p.ldo + pn * NR) * es;
+              for (int64_t b = 0; b < nb; b += 64) __builtin_prefetch(o + b, 1, 3);
+            }
+          }
           T::tile(a);
         }
       }

@@ -171,10 +171,8 @@ void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
     int8_t* At = q.A + t * MRA * g.Kp;
     for (int r = 0; r < MRA; ++r) {
       const int64_t m = t * MRA + r;
-      if (m >= q.M) {
-        for (int64_t kp = 0; kp < g.Kp; ++kp) At[(kp / 4) * MRA * 4 + r * 4 + kp % 4] = 0;
-        continue;
-      }
+      if (m >= q.M) break;
+      const int64_t QS = 4 * tile_rows(t, q.M);
       const char* xr = (const char*)q.x + m * q.ldx * (q.in_type == OUT_F32 ? 4 : 2);
       for (int64_t j = 0; j < g.K; ++j) buf[j] = load_x(xr, q.in_type, q.perm ? q.perm[j] : j);
       float s_tok = 0.f;
@@ -198,7 +196,7 @@ void quant_tiles_generic(const QuantArgs& q, int64_t t0, int64_t t1) {
           const int64_t kp = gi * g.Gp + j;
           const int8_t v = j < g.gs ? q8(xg[j], s) : 0;
           sum += v;
-          At[(kp / 4) * MRA * 4 + r * 4 + kp % 4] = v;
+          At[(kp / 4) * QS + r * 4 + kp % 4] = v;
         }
         q.asum[m * g.G + gi] = sum;
       }
@@ -213,6 +211,7 @@ namespace {
 struct GenericT {
   static constexpr int MR = MRA;
   static constexpr bool kFusedDecode = false;
+  static constexpr int64_t kKcInt8 = KC;
   static void tile(const TileArgs& a) {
     int32_t acc[MRA][NR];
     const int64_t Gp = a.Gp;
@@ -224,7 +223,7 @@ struct GenericT {
         for (int n = 0; n < NR; ++n) acc[r][n] = load_ci ? a.ci[r * NR + n] : 0;
       for (int64_t kp = gs0; kp < gs1; kp += 4) {
         const int64_t qd = kp / 4;
-        const int8_t* aq = a.a + qd * MRA * 4;
+        const int8_t* aq = a.a + qd * a.qs;
         for (int n = 0; n < NR; ++n) {
           uint8_t u[4];
           if (a.otf) {

@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> quant_act_op(const at::Tensor& x, int64_t gro
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t kp = (j / g.gs) * g.Gp + j % g.gs;
-      qo[m * k + j] = A[(m / MRA) * MRA * g.Kp + (kp / 4) * MRA * 4 + (m % MRA) * 4 + kp % 4];
+      qo[m * k + j] = A[(m / MRA) * MRA * g.Kp + (kp / 4) * 4 * tile_rows(m / MRA, M) + (m % MRA) * 4 + kp % 4];
     }
   std::vector<int64_t> qs(x.sizes().begin(), x.sizes().end());
   std::vector<int64_t> ss(qs);

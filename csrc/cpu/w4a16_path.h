@@ -131,6 +131,18 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
   return gemm;
 }
 
+// The int16 activations' l1 bound (w4a16_quant_x16_*): the folded NVFP4 kernel's (AVX2: every M; AVX-512: from
+// kNvFoldMinM rows), else none.
+inline int64_t i16_l1max(CpuIsa isa, int mode, int64_t ag, int64_t M) {
+  return mode == W4_NVFP4 && ag > 16 && (isa != CpuIsa::avx512 || M >= kNvFoldMinM) ? kNvFoldL1 : 0;
+}
+
+// The fused fp32 kernels take the activations' group sums for asymmetric int4 (zero points) and, on AVX2, for
+// symmetric int4 too (the -8 goes through them).
+inline bool fused_needs_xsum(CpuIsa isa, int mode) {
+  return mode == W4_ASYM || (isa == CpuIsa::avx2 && mode == W4_SYM);
+}
+
 // The automatic choice.
 inline W4Path choose_path(const PathCaps& c, const W4Call& q) {
   const bool bf16 = q.dtype == DT_BF16;
@@ -152,5 +164,8 @@ inline W4Path resolve_path(const PathCaps& c, const W4Call& q, int requested) {
   if (p == W4Path::blocked && !blocked_ok(c, q)) return choose_path(c, q);
   return p;
 }
+
+// The machine facts of a call on `isa` (w4a16_torch.cpp: cpu_caps() and the HF_W4_* settings).
+PathCaps w4a16_path_caps(CpuIsa isa);
 
 }  // namespace hf_w4

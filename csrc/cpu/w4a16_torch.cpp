@@ -165,28 +165,6 @@ PathCaps path_caps(CpuIsa isa) {
   return c;
 }
 
-// fp32 sums of the activations over each group, [M][G] (asymmetric zero points act through them); at(i) reads
-// element i of the row-major [M][K] activations as fp32. 16 independent partial sums (vectorized by the compiler):
-// one running sum was latency bound.
-template <typename At>
-std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
-  const int64_t G = K / gs;
-  std::vector<float> xsum(static_cast<size_t>(M) * G, 0.0f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t gi = 0; gi < G; ++gi) {
-      float part[16] = {};
-      const int64_t k0 = r * K + gi * gs, k1 = k0 + gs;
-      int64_t kk = k0;
-      for (; kk + 16 <= k1; kk += 16)
-        for (int j = 0; j < 16; ++j) part[j] += at(kk + j);
-      float s = 0.f;
-      for (int j = 0; j < 16; ++j) s += part[j];
-      for (; kk < k1; ++kk) s += at(kk);
-      xsum[r * G + gi] = s;
-    }
-  return xsum;
-}
-
 // x [M][K] (contiguous, fp32 / bf16 / fp16) -> int16 blocks of ag (see w4a16.h); false on inf / nan. Rows in
 // parallel from 16 Ki elements per thread (below that the thread start costs more than it saves).
 constexpr int64_t kQuantGrain = 16384;
@@ -266,10 +244,7 @@ bool run_int16(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, int64_t ag, con
   int16_t* xqp = xq.data_ptr<int16_t>();
   float* xsp = xs.data_ptr<float>();
   int32_t* xdp = xd.data_ptr<int32_t>();
-  // the folded NVFP4 kernel (AVX2: every M; AVX-512: from kNvFoldMinM rows)
-  const bool folded = g.mode == W4_NVFP4 && ag > 16 && (isa != CpuIsa::avx512 || M >= kNvFoldMinM);
-  const int64_t l1max = folded ? kNvFoldL1 : 0;
-  if (!quant_x16(x, isa, ag, l1max, xqp, xsp, xdp)) return false;
+  if (!quant_x16(x, isa, ag, i16_l1max(isa, g.mode, ag, M), xqp, xsp, xdp)) return false;
   W4Gemm gb = g;
   at::Tensor bf;
   if (bias) { bf = bias->to(at::kFloat).contiguous(); gb.bias = bf.data_ptr<float>(); }
@@ -377,7 +352,7 @@ void run_fused(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, const std::opti
   at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   std::vector<float> xsum;
-  if (g.mode == W4_ASYM || (isa == CpuIsa::avx2 && g.mode == W4_SYM))  // avx2 applies the -8 via sums too
+  if (fused_needs_xsum(isa, g.mode))
     xsum = group_sums(M, K, g.gs, [&](int64_t i) { return xp[i]; });
   const float* xsp = xsum.empty() ? nullptr : xsum.data();
   at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) {
@@ -500,6 +475,9 @@ std::string info(c10::string_view isa_req) {
 }
 
 }  // namespace
+
+PathCaps w4a16_path_caps(CpuIsa isa) { return path_caps(isa); }
+
 }  // namespace hf_w4
 
 TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {

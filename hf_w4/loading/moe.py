@@ -10,7 +10,9 @@ from the model's own merge: ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral
 which the quantizer then swaps for ``QuantLinear`` like any other Linear; the model's merges into such modules
 are dropped, so the tensors load under their stored names and ``save_pretrained`` writes them back the same way.
 The forward is the one of transformers' eager experts (route, per hit expert ``act(gate) * up`` then ``down``,
-weighted, summed), with each projection through the compiled kernel.
+weighted, summed), with each projection through the compiled kernel; where all of them run on cpu_w4a16, a step
+of few tokens runs as one compiled call over the experts' buffers stacked per layer (``moe_stack.py``), with the
+same result.
 
 Unfused are experts modules with the default gate (``act_fn(gate) * up``, concatenated gate then up) and no
 post-expert norm; others (a custom ``_apply_gate`` such as gpt-oss's, interleaved gate/up) stay fused, and a
@@ -25,6 +27,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..nn import layout_changed, layout_epoch
+from . import moe_stack
 from .checkpoint import QUANTIZED_WEIGHT_TENSORS, CheckpointError
 
 FUSED = ("gate_up_proj", "down_proj")   # the fused experts' parameters this module reads
@@ -79,7 +83,25 @@ def dims(m: nn.Module) -> Tuple[int, int, int]:
     return e, h, i2 // 2
 
 
-class Expert(nn.Module):
+class _Watched(nn.Module):
+    """A module whose submodules a one-call experts forward reads directly: swapping one (PEFT's LoRA wrappers,
+    dequantize, set_submodule) marks the layouts changed, so the layer checks its experts again."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, nn.Module) or name in self.__dict__.get("_modules", ()) or name == "act_fn":
+            layout_changed()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        layout_changed()
+        super().__delattr__(name)
+
+    def add_module(self, name, module):
+        layout_changed()
+        super().add_module(name, module)
+
+
+class Expert(_Watched):
     """One expert's projections, as attributes named like the checkpoint's."""
 
     def __init__(self, names: Sequence[str], linears: Sequence[nn.Module]):
@@ -88,12 +110,18 @@ class Expert(nn.Module):
             setattr(self, n, lin)
 
 
-class UnfusedExperts(nn.Module):
+class UnfusedExperts(_Watched):
     """The experts of one MoE layer, one module per expert (children ``0`` .. ``E-1``, as the checkpoint names
     them); called as the fused module it replaces:
-    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
-    def __init__(self, experts: Sequence[Expert], names: Sequence[str], act_fn, fused_type: str = ""):
+    Where every expert projection runs on cpu_w4a16 (and the rest of :func:`hf_w4.loading.moe_stack.stack`'s
+    conditions hold), a step of up to ``MAX_TOKENS`` tokens runs all routed experts in one compiled call, over the
+    experts' kernel buffers stacked per layer (:meth:`one_call`); otherwise, and for gradients, each projection is
+    called in turn."""
+
+    def __init__(self, experts: Sequence[Expert], names: Sequence[str], act_fn, fused_type: str = "",
+                 path: str = "experts"):
         super().__init__()
         for i, e in enumerate(experts):
             self.add_module(str(i), e)
@@ -101,6 +129,10 @@ class UnfusedExperts(nn.Module):
         self.act_fn = act_fn
         self.num_experts = len(experts)
         self.fused_type = fused_type
+        self.path = path   # for messages
+        self._stacked = None   # a moe_stack.StackedExperts, or None
+        self._stack_epoch = -1   # the layout_epoch() it was checked at
+        self.one_call_problem = "not checked yet"   # why the experts do not run as one call ("" when they do)
 
     def __getitem__(self, i: int) -> Expert:
         return self._modules[str(i)]
@@ -111,22 +143,49 @@ class UnfusedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"unfused {self.fused_type}, projections {'/'.join(self.names)}"
 
+    def one_call(self):
+        """The experts as one compiled call (a ``StackedExperts``), or None where they cannot run so
+        (``one_call_problem`` says why). Checked again whenever ``hf_w4.nn.layout_epoch()`` moved."""
+        epoch = layout_epoch()
+        if self._stack_epoch != epoch:
+            experts = [self[i] for i in range(self.num_experts)]
+            self._stacked, self.one_call_problem = moe_stack.stack(self.path, self.names, experts, self.act_fn)
+            self._stack_epoch = epoch
+        return self._stacked
+
+    def one_call_summary(self) -> str:
+        """How the experts run, for ``kernel_report``."""
+        if self.one_call() is not None:
+            return (f"MoE experts: the routed experts of up to {moe_stack.MAX_TOKENS} tokens in one cpu_w4a16_moe call "
+                    "(more tokens, and gradients: one projection at a time)")
+        return f"MoE experts: one projection at a time ({self.one_call_problem})"
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        one = self.one_call()
+        if one is not None and one.takes(hidden_states, top_k_weights):
+            return one(hidden_states, top_k_index, top_k_weights)
+        return self.per_expert(hidden_states, top_k_index, top_k_weights)
+
+    def per_expert(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward one projection call at a time (each through its module: hooks, adapters, gradients)."""
         # the (token, slot) pairs sorted by expert, gathered once; each expert's rows are then a slice, and the
         # weighted outputs go back in one index_add (indices >= num_experts, masked experts, are skipped)
         gate_name, up_name, down_name = self.names
         if hidden_states.shape[0] == 1:   # one token (decode): its experts in turn, no sorting or scatter
-            out = torch.zeros_like(hidden_states)
+            # weighted in the dtypes of the general path and summed as its index_add_ does on the CPU: in fp32, in
+            # ascending expert order, rounded once
+            acc = torch.zeros(hidden_states.shape, dtype=torch.promote_types(hidden_states.dtype, torch.float32),
+                              device=hidden_states.device)
             weights = top_k_weights[0]
-            for j, e in enumerate(top_k_index[0].tolist()):
+            for e, j in sorted((e, j) for j, e in enumerate(top_k_index[0].tolist())):
                 if e >= self.num_experts:
                     continue
                 expert = self[e]
                 h = self.act_fn(getattr(expert, gate_name)(hidden_states)) * getattr(expert, up_name)(hidden_states)
-                # weighted and summed in the dtypes of the general path (and of transformers' eager experts)
-                out += (getattr(expert, down_name)(h) * weights[j:j + 1]).to(out.dtype)
-            return out
+                acc += (getattr(expert, down_name)(h) * weights[j:j + 1]).to(hidden_states.dtype)
+            return acc.to(hidden_states.dtype)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -193,7 +252,7 @@ def _linear(n_in: int, n_out: int, weight: Optional[torch.Tensor], bias: Optiona
     return lin
 
 
-def unfuse(m: nn.Module, names: Sequence[str], share: bool = False) -> UnfusedExperts:
+def unfuse(m: nn.Module, names: Sequence[str], share: bool = False, path: str = "experts") -> UnfusedExperts:
     """An :class:`UnfusedExperts` for the fused module ``m``: with ``share``, its Linears are views of ``m``'s
     parameters (same values, no copy); otherwise new, uninitialised ones on ``m``'s device, for loading."""
     problem = fused_problem(m)
@@ -217,7 +276,7 @@ def unfuse(m: nn.Module, names: Sequence[str], share: bool = False) -> UnfusedEx
             lins = [_linear(h, i, None, None, gu, has_bias), _linear(h, i, None, None, gu, has_bias),
                     _linear(i, h, None, None, dn, has_bias)]
         experts.append(Expert(names, lins))
-    return UnfusedExperts(experts, names, m.act_fn, type(m).__name__)
+    return UnfusedExperts(experts, names, m.act_fn, type(m).__name__, path)
 
 
 def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
@@ -239,7 +298,7 @@ def unfused(model: nn.Module):
     swapped = []
     try:
         for path, m, names in _per_expert_layout(model):
-            model.set_submodule(path, unfuse(m, names, share=True))
+            model.set_submodule(path, unfuse(m, names, share=True, path=path))
             swapped.append((path, m))
         yield [p for p, _ in swapped]
     finally:
@@ -252,7 +311,7 @@ def unfuse_all(model: nn.Module) -> List[str]:
     :class:`UnfusedExperts`; their paths."""
     layout = _per_expert_layout(model)
     for path, m, names in layout:
-        model.set_submodule(path, unfuse(m, names))
+        model.set_submodule(path, unfuse(m, names, path=path))
     return [p for p, _, _ in layout]
 
 
@@ -331,7 +390,7 @@ def unfuse_for_checkpoint(model: nn.Module, headers: dict) -> List[str]:
             raise CheckpointError(
                 f"{path} ({type(m).__name__}, {e} experts): the checkpoint stores {found} under it; this model's "
                 f"experts are {path}.0..{e - 1} with projections {list(names)}")
-        model.set_submodule(path, unfuse(m, names))
+        model.set_submodule(path, unfuse(m, names, path=path))
         done.append(path)
     return done
 

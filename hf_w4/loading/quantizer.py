@@ -265,6 +265,10 @@ class HfW4Quantizer(HfQuantizer):
             maps.close()
         if self.options.get("dequantize"):
             self._dequantize(model, dtype)
+        else:
+            for m in model.modules():   # experts that can run as one call per step: their kernel buffers stacked now
+                if isinstance(m, moe.UnfusedExperts):
+                    m.one_call()
         return model
 
     # -- saving / dequantizing

@@ -292,6 +292,40 @@ def test_amx_zero_points_out_of_int8_range(shift):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_int8_weights_across_k_blocks(isa):
+    # int8 weights shared by several row tiles are read in K blocks (4096 k on AVX-512, 512 elsewhere): a channel
+    # spanning three blocks (the last one 8 k) and groups that straddle block boundaries (int32 partial sums)
+    g = torch.Generator().manual_seed(12)
+    for k, gs in ((8200, -1), (6144, 1536), (4608, 576)):
+        spec, qw = make_qweight("w8a8", 64, k, gs, seed=k)
+        x = torch.randn(13, k, generator=g).bfloat16()
+        for act in ("int8_token", "int8_group"):
+            check(run_kernel(qw, x, act, isa), reference(qw, x, act), torch.bfloat16, f"K={k} g={gs} {act} {isa}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_short_activation_tiles(isa):
+    # the last activation tile packs only its own rows (1-5 of 6): every short tile, alone (M <= 6) and after full
+    # tiles (M = 7-11), with K and groups that are not multiples of 16 (the quantizers' scalar tails)
+    g = torch.Generator().manual_seed(11)
+    for M in range(1, 12):
+        for k, group in ((100, -1), (120, 20), (576, 48), (4100, -1)):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                x = (torch.randn(M, k, generator=g) * 3).to(dtype)
+                x[M // 2, : min(17, k)] = torch.arange(min(17, k)).to(dtype) + 0.5  # exact .5 ties once scaled
+                x[M // 2, 0] = 127.5                                               # (scale 1)
+                q, sc = torch.ops.hf_w4.int8_quant_act(x, group, isa)
+                qr, sr = quantize_act_int8(x, None if group == -1 else group)
+                assert torch.equal(sc, sr) and torch.equal(q, qr), (isa, M, k, group, dtype)
+    for M in (1, 2, 3, 4, 5, 7, 11):
+        for kind, gs in (("w8a8", -1), ("gptq", 32)):
+            spec, qw = make_qweight(kind, 72, 256, gs, seed=M)
+            x = torch.randn(M, 256, generator=g).bfloat16()
+            for act in ("int8_token", "int8_group"):
+                check(run_kernel(qw, x, act, isa), reference(qw, x, act), torch.bfloat16, f"{kind} M={M} {act} {isa}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_quant_act_fuzz_bit_exact(isa):
     # the AVX-512 quantizer divides through a reciprocal and redoes near-tie lanes exactly: fuzz it with scales
     # of every magnitude and with values placed on (and one float step around) the .5 boundaries of x / s

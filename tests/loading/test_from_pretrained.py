@@ -192,8 +192,11 @@ def test_w4a8_opt_in_changes_the_activation_scheme(written):
 def test_to_dtype_keeps_packed_dtypes(written):
     res = written("modelopt-w4a16", {})
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
-    model.to(torch.bfloat16)
     q = model.model.layers[0].mlp.up_proj
+    before = {n: b.clone() for n, b in q.named_buffers()}
+    model.to(torch.bfloat16)
+    # the kernel's buffers too (fp32 scales), values included: a cast there and back would round them
+    assert all(b.dtype == before[n].dtype and torch.equal(b, before[n]) for n, b in q.named_buffers())
     assert q.weight_scale.dtype == torch.float8_e4m3fn and q.weight_scale_2.dtype == torch.float32
     assert q.weight.dtype == torch.uint8
     with torch.no_grad():

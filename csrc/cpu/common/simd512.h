@@ -61,6 +61,9 @@ inline void mask_storeu_epi16(void* p, simde__mmask32 k, simde__m512i v) {
 inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 v) {
   float a[16]; get(a, v); masked_store(p, k, a);
 }
+inline void mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i v) {
+  int32_t a[16]; get(a, v); masked_store(p, k, a);
+}
 inline simde__m512i maskz_loadu_epi8(simde__mmask64 k, const void* p) {
   int8_t a[64]; masked_load(a, k, p); return put<simde__m512i>(a);
 }
@@ -185,6 +188,7 @@ inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) 
 #define _mm256_mask_storeu_epi16(p, k, v) hf_w4_emu::mask_storeu_epi16_256(p, k, v)
 #define _mm512_mask_storeu_epi16(p, k, v) hf_w4_emu::mask_storeu_epi16(p, k, v)
 #define _mm512_mask_storeu_ps(p, k, v) hf_w4_emu::mask_storeu_ps(p, k, v)
+#define _mm512_mask_storeu_epi32(p, k, v) hf_w4_emu::mask_storeu_epi32(p, k, v)
 #define _mm512_maskz_loadu_epi8(k, p) hf_w4_emu::maskz_loadu_epi8(k, p)
 #define _mm512_maskz_loadu_ps(k, p) hf_w4_emu::maskz_loadu_ps(k, p)
 #define _mm512_cmplt_epi32_mask(a, b) hf_w4_emu::cmplt_epi32_mask(a, b)
