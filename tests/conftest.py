@@ -205,3 +205,13 @@ def hf_w4_caplog(caplog):
     caplog.set_level("INFO", logger=NAME)
     yield caplog
     tlog.disable_propagation()
+
+
+def w4a16_isa_available(isa: str) -> bool:
+    """The W4A16 kernels run at this ISA level here (an op given a level the CPU lacks raises)."""
+    from hf_w4 import ops as _ops
+    try:
+        _ops.cpu_w4a16_path(1, 64, "int4", 64, torch.float32, isa=isa)
+        return True
+    except RuntimeError:
+        return False

@@ -66,7 +66,7 @@ def emulated_library():
 def test_kernel_tests_pass_on_the_emulated_avx512_build(emulated_library):
     env = dict(os.environ, HF_W4_LIBRARY=emulated_library, HF_W4_TEST_EMULATED_AVX512="1")
     env.pop("HF_W4_ISA", None)
-    probe = ("import torch, hf_w4._ext as e; assert e.load(), e.load_error(); "
+    probe = ("import torch, hf_w4.ops, hf_w4._ext as e; assert e.load(), e.load_error(); "
              "print(torch.ops.hf_w4.int8_isa(''))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.split() == ["avx512"], r.stdout + r.stderr

@@ -28,9 +28,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import w4a16_isa_available
 from hf_w4 import _ext, layouts, ops
-from qweight_cases import make_qweight
 from hf_w4.formats.spec import W4Spec
+from qweight_cases import make_qweight
 
 pytestmark = pytest.mark.needs_ext
 
@@ -47,16 +48,8 @@ if not _ok:
 _FLAGS = _ext.cpu_flags()
 
 
-def _isa_available(isa):
-    try:
-        ops.cpu_w4a16_path(1, 64, "int4", 64, torch.float32, isa=isa)
-        return True
-    except RuntimeError:
-        return False
-
-
 # the ISA levels this CPU (as the library detects it; csrc/cpu/common/cpu_features.h) can run
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _isa_available(isa)]
+ISAS = [isa for isa in ("generic", "avx2", "avx512") if w4a16_isa_available(isa)]
 
 # (layout, sym, act_order, zero_plus_one)
 LAYOUTS = [

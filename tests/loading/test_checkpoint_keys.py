@@ -144,7 +144,7 @@ def _qwen3_moe_gptq(tmp_path, num_experts):
 
 def test_hand_written_per_expert_checkpoint_loads(tmp_path):
     # GPTQ / auto-round write one quantized Linear per expert; transformers 5 fuses the experts into one module with
-    # 3-D parameters: hf_w4.moe unfuses it. The per-expert tensors here are packed by hand (not by the writer's MoE
+    # 3-D parameters: hf_w4.loading.moe unfuses it. The per-expert tensors here are packed by hand (not by the writer's MoE
     # path), each projection must dequantize to exactly its RTN weight
     cfg, model, src = _qwen3_moe_gptq(tmp_path, num_experts=4)
     experts = model.model.layers[0].mlp.experts

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from conftest import assert_same_checkpoint
-from hf_w4 import ops
+from conftest import assert_same_checkpoint, w4a16_isa_available
 from hf_w4.loading import moe_stack
 from hf_w4.loading import moe
 from hf_w4.nn import QuantLinear
@@ -129,15 +128,7 @@ def test_one_call_equals_per_expert(written, calls, threads, key, dtype):
     assert rel <= (1e-5 if dtype == torch.float32 else 3e-2), f"{key} {dtype}: off the dense twin by {rel:.2e}"
 
 
-def _isa_available(isa):
-    try:
-        ops.cpu_w4a16_path(1, 64, "int4", 64, torch.float32, isa=isa)
-        return True
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.parametrize("isa", [i for i in ("generic", "avx2") if _isa_available(i)])
+@pytest.mark.parametrize("isa", [i for i in ("generic", "avx2") if w4a16_isa_available(i)])
 @pytest.mark.parametrize("key", ["int4-sym", "int4-asym", "nvfp4"])
 def test_one_call_equals_per_expert_on_every_isa(written, calls, threads, monkeypatch, isa, key):
     # HF_W4_ISA (read by every call) takes both forwards to the same ISA level

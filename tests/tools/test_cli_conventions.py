@@ -4,7 +4,6 @@ mean", group sizes checked and fitted to the model, -q / -v through transformers
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
