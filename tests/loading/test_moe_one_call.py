@@ -5,12 +5,15 @@ symmetric / asymmetric, NVFP4; fp32 / bf16 / fp16; one token and several; masked
 layer falls back to the per-expert forward, with the reason, where one call cannot stand in for the modules (an
 expert dense, on another kernel, LoRA-wrapped, offloaded, hooked, act-order; an activation other than silu;
 gradients), and checks again after its experts change; bad op input is an error naming the argument."""
+import os
+
 import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from conftest import assert_same_checkpoint, w4a16_isa_available
+from hf_w4 import _ext
 from hf_w4.loading import moe_stack
 from hf_w4.loading import moe
 from hf_w4.nn import QuantLinear
@@ -29,6 +32,11 @@ CFG = dict(vocab_size=128, hidden_size=H, intermediate_size=256, moe_intermediat
 FORMATS = {"int4-sym": ("gptq", dict(group_size=16)), "int4-asym": ("gptq", dict(group_size=-1, sym=False)),
            "awq": ("awq", dict(group_size=16)), "nvfp4": ("modelopt-nvfp4", {}), "ct-nvfp4": ("ct-nvfp4", {}),
            "act-order": ("gptq", dict(group_size=16, desc_act=True))}
+
+
+# the per-expert forward's bf16 calls can take AMX tiles (docs/cpu-kernels.md, "M crossovers"), which the one call
+# does not use
+AMX = {"amx_bf16", "amx_tile"} <= _ext.cpu_flags() and os.environ.get("HF_W4_AMX") != "0"
 
 
 def make_model(seed=0):
@@ -115,6 +123,12 @@ def test_one_call_equals_per_expert(written, calls, threads, key, dtype):
                     want = ex.per_expert(h, idx, w)
                 n += 1
                 assert calls[0] == n, "the layer did not take the one call"
+                if dtype == torch.bfloat16 and AMX:
+                    # here an expert's rows take AMX tiles in the per-expert forward from a few rows, the int16
+                    # kernel in the one call: each within the bf16 budget, not the same bits
+                    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    assert got.dtype == dtype and rel < 1e-2, f"{key} T={t} threads={nt}: {rel:.3g}"
+                    continue
                 assert got.dtype == dtype and torch.equal(got, want), (
                     f"{key} {dtype} T={t} threads={nt} weights {wdt}: one call differs from the per-expert forward "
                     f"by {(got.float() - want.float()).abs().max().item():.3g}")
