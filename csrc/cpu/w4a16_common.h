@@ -9,6 +9,7 @@
 
 #include "common/aligned_buf.h"
 #include "common/convert.h"
+#include "common/cpu_features.h"
 #include "w4a16.h"
 
 namespace hf_w4 {
@@ -58,6 +59,15 @@ inline std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
       xsum[r * G + gi] = s;
     }
   return xsum;
+}
+
+// x [M][K] (dtype dt) to int16 blocks of ag with the quantizer of `isa` (w4a16.h; the AVX2 one takes blocks of a
+// multiple of 16, others the portable one); false on inf / nan
+inline bool w4a16_quant_x16(CpuIsa isa, const void* x, int dt, int64_t M, int64_t K, int64_t ag, int64_t l1max,
+                            int16_t* xq, float* xs, int32_t* xd) {
+  if (isa == CpuIsa::avx512) return w4a16_quant_x16_avx512(x, dt, M, K, ag, l1max, xq, xs, xd);
+  if (isa == CpuIsa::avx2 && ag % 16 == 0) return w4a16_quant_x16_avx2(x, dt, M, K, ag, l1max, xq, xs, xd);
+  return w4a16_quant_x16_generic(x, dt, M, K, ag, l1max, xq, xs, xd);
 }
 
 // store fp32 results v[0..cnt) of output row m, columns n0.. (gscale, bias, dtype conversion)

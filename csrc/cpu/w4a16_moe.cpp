@@ -122,14 +122,6 @@ Stack checked_stack(const char* what, const at::Tensor& q, const at::Tensor& s, 
   return st;
 }
 
-// x [M][K] (dtype dt) to int16 blocks (w4a16.h); false on inf / nan
-bool quant16(const void* x, int dt, int64_t M, int64_t K, CpuIsa isa, int64_t ag, int64_t l1max, int16_t* xq, float* xs,
-             int32_t* xd) {
-  if (isa == CpuIsa::avx512) return w4a16_quant_x16_avx512(x, dt, M, K, ag, l1max, xq, xs, xd);
-  if (isa == CpuIsa::avx2 && ag % 16 == 0) return w4a16_quant_x16_avx2(x, dt, M, K, ag, l1max, xq, xs, xd);
-  return w4a16_quant_x16_generic(x, dt, M, K, ag, l1max, xq, xs, xd);
-}
-
 // The activations of one (expert, projection kind) in the form its kernel takes: int16 blocks, or fp32 rows (+ group
 // sums). Built from M contiguous rows of the kind's input, exactly as cpu_w4a16_gemm builds them for those rows.
 struct ExpertInput {
@@ -153,7 +145,8 @@ struct ExpertInput {
       xs.resize(static_cast<size_t>(M * (K / ag)));
       xd.resize(xs.size());
       // inf / nan in x: the fused fp32 kernel, which propagates them (as the gemm does)
-      i16 = quant16(x, dt, M, K, caps.isa, ag, i16_l1max(caps.isa, st.mode, ag, M), xq.data(), xs.data(), xd.data());
+      i16 = w4a16_quant_x16(caps.isa, x, dt, M, K, ag, i16_l1max(caps.isa, st.mode, ag, M), xq.data(), xs.data(),
+                            xd.data());
     }
     if (i16) return;
     xf.resize(static_cast<size_t>(M * K));

@@ -39,10 +39,11 @@ struct PathCaps {
   bool amx = false;        // AMX-BF16 usable (CPU + OS) and not switched off (HF_W4_AMX=0)
   bool vbmi = false;       // AVX512-VBMI and not switched off (HF_W4_VBMI=0)
   bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
-  bool bf16_full_rate = false;  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
   bool avx512_bf16 = false;     // AVX512-BF16 (the blocked kernel can run)
   bool amd = false;             // AMD: AVX2's vpmaddwd runs at twice the fp32 FMA rate of multiply-adds
   int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
+  // AVX512-BF16 at the fp32 FMA rate (AMD; Intel's runs vdpbf16ps at a quarter of it)
+  bool bf16_full_rate() const { return avx512_bf16 && amd; }
 };
 
 struct W4Call {
@@ -124,7 +125,7 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
   if (c.amx) return W4Path::dequant_bf16;  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX
   // AVX512-BF16 at full rate: the blocked kernel (vdpbf16ps, 32 multiply-adds per instruction like vpdpwssd, the
   // weights decoded once per panel instead of once per 8 rows)
-  if (blocked_ok(c, q) && c.bf16_full_rate && (q.mode == W4_NVFP4 || !i16 || q.M >= kBlockedInt4MinM))
+  if (blocked_ok(c, q) && c.bf16_full_rate() && (q.mode == W4_NVFP4 || !i16 || q.M >= kBlockedInt4MinM))
     return W4Path::blocked;
   if (c.isa == CpuIsa::avx512 && i16) return W4Path::int16;
   if (c.isa == CpuIsa::avx2 && i16 && q.M <= avx2_i16_large_max_m(c, q.mode)) return W4Path::int16;

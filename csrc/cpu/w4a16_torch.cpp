@@ -156,7 +156,6 @@ PathCaps path_caps(CpuIsa isa) {
   c.amx = amx_allowed() && caps.amx_bf16;
   c.vbmi = w4a16_vbmi_enabled();
   c.bf16_gemm = caps.avx512_bf16 || caps.amx_bf16;
-  c.bf16_full_rate = caps.avx512_bf16 && caps.amd;
   c.avx512_bf16 = caps.avx512_bf16;
   c.amd = caps.amd;
   c.large = large_path_setting(caps);
@@ -178,10 +177,7 @@ bool quant_x16(const at::Tensor& x, CpuIsa isa, int64_t ag, int64_t l1max, int16
     int16_t* q = xq + m0 * K;
     float* s = xs + m0 * nab;
     int32_t* d = xd + m0 * nab;
-    const bool ok = isa == CpuIsa::avx512 ? w4a16_quant_x16_avx512(xr, dt, m1 - m0, K, ag, l1max, q, s, d)
-                    : isa == CpuIsa::avx2 && ag % 16 == 0 ? w4a16_quant_x16_avx2(xr, dt, m1 - m0, K, ag, l1max, q, s, d)
-                    : w4a16_quant_x16_generic(xr, dt, m1 - m0, K, ag, l1max, q, s, d);
-    if (!ok) finite = false;
+    if (!w4a16_quant_x16(isa, xr, dt, m1 - m0, K, ag, l1max, q, s, d)) finite = false;
   });
   return finite;
 }
