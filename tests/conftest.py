@@ -215,3 +215,16 @@ def w4a16_isa_available(isa: str) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def default_model_as(fmt: str, out_dir, max_tokens: int):
+    """The embedded default model (SmolLM2-135M) written as ``fmt`` under ``out_dir``, and windows of 512 tokens of
+    the default text, at most ``max_tokens`` in all: (checkpoint path, windows)."""
+    from hf_w4.tools import evaluate, models, writers
+    try:
+        src = models.default_model_path(verbose=False)
+    except models.ModelNotAvailable as e:
+        pytest.skip(str(e))
+    res = writers.write_checkpoint(str(src), str(out_dir), fmt)
+    tok = evaluate.load_tokenizer(res.path)
+    return res.path, evaluate.make_windows(tok, evaluate.default_text(), window=512, max_tokens=max_tokens)

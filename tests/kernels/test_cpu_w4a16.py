@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import w4a16_isa_available
+from conftest import default_model_as, w4a16_isa_available
 from hf_w4 import _ext, layouts, ops
 from hf_w4.formats.spec import W4Spec
 from qweight_cases import make_qweight
@@ -1010,14 +1010,7 @@ def test_registry_rejects_k0_with_a_reason():
 def smollm2_nvfp4(tmp_path_factory):
     """The embedded default model (SmolLM2-135M) written as compressed-tensors NVFP4, and two windows of 512
     tokens of the default text."""
-    from hf_w4.tools import evaluate, models, writers
-    try:
-        src = models.default_model_path(verbose=False)
-    except models.ModelNotAvailable as e:
-        pytest.skip(str(e))
-    res = writers.write_checkpoint(str(src), str(tmp_path_factory.mktemp("nvfp4") / "c"), "ct-nvfp4")
-    tok = evaluate.load_tokenizer(res.path)
-    return res.path, evaluate.make_windows(tok, evaluate.default_text(), window=512, max_tokens=1024)
+    return default_model_as("ct-nvfp4", tmp_path_factory.mktemp("nvfp4") / "c", max_tokens=1024)
 
 
 @pytest.mark.slow

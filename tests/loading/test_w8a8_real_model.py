@@ -5,20 +5,14 @@ import pytest
 import torch
 
 import hf_w4
-from hf_w4.tools import evaluate, models, writers
+from conftest import default_model_as
 from hf_w4.nn import QuantLinear
+from hf_w4.tools import evaluate
 
 
 @pytest.fixture(scope="module")
 def w8a8(tmp_path_factory):
-    try:
-        src = models.default_model_path(verbose=False)
-    except models.ModelNotAvailable as e:
-        pytest.skip(str(e))
-    res = writers.write_checkpoint(str(src), str(tmp_path_factory.mktemp("w8a8") / "c"), "ct-w8a8")
-    tok = evaluate.load_tokenizer(res.path)
-    windows = evaluate.make_windows(tok, evaluate.default_text(), window=512, max_tokens=4088)
-    return res.path, windows
+    return default_model_as("ct-w8a8", tmp_path_factory.mktemp("w8a8") / "c", max_tokens=4088)
 
 
 def _ppl(path, windows, **cfg):
