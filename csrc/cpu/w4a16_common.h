@@ -61,6 +61,13 @@ inline std::vector<float> group_sums(int64_t M, int64_t K, int64_t gs, At at) {
   return xsum;
 }
 
+// element i of an fp32 / bf16 / fp16 array of dtype dt (DT_*), as fp32 (exact)
+inline float w4_elem_f32(const void* p, int dt, int64_t i) {
+  if (dt == DT_BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  if (dt == DT_F16) return f16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
 // x [M][K] (dtype dt) to int16 blocks of ag with the quantizer of `isa` (w4a16.h; the AVX2 one takes blocks of a
 // multiple of 16, others the portable one); false on inf / nan
 inline bool w4a16_quant_x16(CpuIsa isa, const void* x, int dt, int64_t M, int64_t K, int64_t ag, int64_t l1max,

@@ -55,11 +55,7 @@ void w4a16_store_row(const W4Gemm& g, int64_t m, int64_t n0, const float* v, int
 bool w4a16_quant_x16_generic(const void* x, int dtype, int64_t M, int64_t K, int64_t ag, int64_t l1max, int16_t* xq,
                              float* xs, int32_t* xd) {
   const int64_t nab = K / ag;
-  auto at = [&](int64_t i) -> float {
-    if (dtype == DT_BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(x)[i]);
-    if (dtype == DT_F16) return static_cast<float>(static_cast<const _Float16*>(x)[i]);
-    return static_cast<const float*>(x)[i];
-  };
+  auto at = [&](int64_t i) { return w4_elem_f32(x, dtype, i); };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nab; ++b) {
       const int64_t i0 = m * K + b * ag;

@@ -45,12 +45,6 @@ int dtype_code(at::ScalarType t) {
   return t == at::kFloat ? DT_F32 : t == at::kBFloat16 ? DT_BF16 : DT_F16;
 }
 
-float to_f32(const void* p, int dt, int64_t i) {
-  if (dt == DT_BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
-  if (dt == DT_F16) return f16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
 // v rounded to the dtype dt (round to nearest even), back as fp32
 float round_to(float v, int dt) {
   if (dt == DT_BF16) return bf16_bits_to_f32(f32_to_bf16_bits(v));
@@ -150,7 +144,7 @@ struct ExpertInput {
     }
     if (i16) return;
     xf.resize(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = to_f32(x, dt, i);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = w4_elem_f32(x, dt, i);
     xsum.clear();
     if (fused_needs_xsum(caps.isa, st.mode)) xsum = group_sums(M, K, st.gs, [&](int64_t i) { return xf[i]; });
   }
@@ -311,7 +305,8 @@ at::Tensor moe(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::T
         float acc = 0.0f;
         for (int64_t q = tok_start[t]; q < tok_start[t + 1]; ++q) {
           const int64_t r = tok_rows[q];
-          const float v = round_to(round_to(to_f32(yb, dt, r * H + c) * to_f32(wp, wd, row_pair[r]), prod_dt), dt);
+          const float y = w4_elem_f32(yb, dt, r * H + c), w = w4_elem_f32(wp, wd, row_pair[r]);
+          const float v = round_to(round_to(y * w, prod_dt), dt);
           acc += v;
         }
         store(ob, dt, t * H + c, acc);
