@@ -26,6 +26,9 @@ VARIABLES = (
              "never use these kernels (added to the config's `disabled_kernels=`)"),
     Variable("HF_W4_KEEP_CHECKPOINT_TENSORS", "Python", "0 / 1 (true / false / yes / no)",
              "keep the checkpoint's packed code tensor next to the kernel's repacked copy (default: held once)"),
+    Variable("HF_W4_DENSE_DECODE", "Python", "0 / 1 (true / false / yes / no)", "0: a loaded model's unquantized "
+             "bf16 / fp16 Linear layers (the LM head) stay plain `nn.Linear` instead of running the compiled dense "
+             "GEMV at decode (default: 1)"),
     Variable("HF_W4_NO_EXT", "Python", "1", "do not load the compiled library: every layer runs on the reference "
              "kernel (the test suite accepts a missing library only with this set)"),
     Variable("HF_W4_LIBRARY", "Python", "a path to a .so", "load this build of the compiled library instead of "

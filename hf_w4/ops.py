@@ -188,6 +188,17 @@ def int8_gemm(x, packed, scales, zeros, weight_type, n, k, group_size, perm=None
                                      act_group, isa)
 
 
+# ---- dense layers at decode (cpu_dense; csrc/cpu/dense_gemv*.cpp): y = x @ weight^T (+ bias) for a model's
+# unquantized bf16 / fp16 Linear layers, x [M, K] with M = 1..4, weight [N, K] (rows may be strided), both bf16 or
+# both fp16; fp32 sums, one rounding. isa as for cpu_w4a16_gemm ("generic": at::linear).
+lib.define("cpu_dense_gemv(Tensor x, Tensor weight, Tensor? bias, str isa=\"\") -> Tensor")
+
+
+@torch.library.register_fake("hf_w4::cpu_dense_gemv")
+def _cpu_dense_gemv_fake(x, weight, bias, isa=""):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ---- the kernel layouts read back in torch (the kernels' unpack_codes and the ops' input gradients)
 def w4a16_codes(qpack: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """cpu_w4a16 layout -> codes [N, K] (uint8 0..15) in the kernel's column order. qpack [P, K/2, 32]: byte i of

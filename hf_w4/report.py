@@ -6,6 +6,7 @@ from typing import Dict, List
 
 from torch import nn
 
+from .kernels import cpu_dense
 from .nn import QuantLinear
 
 
@@ -35,12 +36,12 @@ def kernel_report(model: nn.Module, per_layer: bool = False) -> str:
     numbers (``model.layers.3.mlp.experts.17.up_proj``) and agree in format, kernel and reasons share one line,
     ``model.layers.*.mlp.experts.*.up_proj (96 layers): ...`` (an MoE model has thousands); ``per_layer``: one line
     per layer. MoE layers of per-expert QuantLinears (``hf_w4.loading.moe.UnfusedExperts``) add a line each: one
-    call per step, or why not."""
+    call per step, or why not; dense layers on the decode GEMV (``hf_w4.kernels.cpu_dense``) too."""
     layers = []
     for r in layer_table(model):
         why = "; ".join(f"{k}: {v}" for k, v in r["rejected"].items()) or "-"
         layers.append((r["name"], f"{r['format']} -> {r['kernel']} (rejected: {why})"))
     moe = [(name, m.one_call_summary()) for name, m in model.named_modules()
            if callable(getattr(m, "one_call_summary", None))]
-    lines = _grouped(layers, per_layer) + _grouped(moe, per_layer)
+    lines = _grouped(layers, per_layer) + _grouped(moe, per_layer) + _grouped(cpu_dense.report_lines(model), per_layer)
     return "\n".join(lines) if lines else "no hf_w4 QuantLinear modules"

@@ -13,6 +13,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 
 from .. import formats, layouts
+from ..kernels import cpu_dense
 from . import checkpoint, memory, moe, tensor_parallel
 from .checkpoint import CheckpointError
 from ..nn import QuantLinear, plain_linear
@@ -269,6 +270,7 @@ class HfW4Quantizer(HfQuantizer):
             for m in model.modules():   # experts that can run as one call per step: their kernel buffers stacked now
                 if isinstance(m, moe.UnfusedExperts):
                     m.one_call()
+            cpu_dense.adopt(model)      # the layers left dense (the LM head) decode through the compiled GEMV
         return model
 
     # -- saving / dequantizing

@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FLAGS = _ext.cpu_flags()
 NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"} <= FLAGS
 # the kernel tests: every ISA-parametrized test gains an "avx512" case, and auto choices take the AVX-512 kernels
-TEST_FILES = ("tests/kernels/test_cpu_w4a16.py", "tests/kernels/test_cpu_int8.py", "tests/nn/test_training.py")
+TEST_FILES = ("tests/kernels/test_cpu_w4a16.py", "tests/kernels/test_cpu_int8.py", "tests/kernels/test_cpu_dense.py",
+              "tests/nn/test_training.py")
 
 
 def simde_include():
