@@ -125,3 +125,11 @@ def test_loaded_model_dense_layers(tmp_path, tiny_llama_tied, monkeypatch, off):
 
 def test_switch_is_declared():
     assert any(v.name == "HF_W4_DENSE_DECODE" for v in env.VARIABLES)
+
+
+def test_torch_compile_fullgraph():
+    lin = nn.Linear(96, 40, dtype=torch.bfloat16)
+    lin.__class__ = cpu_dense.DenseDecodeLinear
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, fullgraph=True)(x), lin(x))
