@@ -18,6 +18,18 @@ def has_impl(op: str, device: str = "CPU") -> bool:
         return False
 
 
+def linear_call(op, *args):
+    """``op(*args)`` for a gemm op with a registered input gradient (below): under the autograd layer when no
+    argument needs a gradient. torch.library's Python autograd wrapper costs ~3.5 us per call even under ``no_grad``,
+    as much as the op's own overhead, and a small model's decode step makes hundreds of calls; torch.compile traces
+    the op as it is."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
 # ---- W4A16 (cpu_w4a16). Layouts, paths, ISA dispatch and the M crossovers: docs/cpu-kernels.md.
 # Kernel layout (csrc/cpu/w4a16.h): qpack uint8 [P, K/2, 32] (P = ceil(N/32) panels of 32 columns), scales fp32
 # [P, G, 32] (nvfp4: fp8-e4m3 bytes uint8 [P, K/16, 32]; the repack refuses the NaN bytes 0x7f / 0xff), zs fp32

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import layouts
+from ..ops import linear_call
 from ..formats.spec import W4Spec
 from .base import OK, Kernel
 from .registry import register
@@ -81,5 +82,5 @@ class CpuInt8Kernel(Kernel):
         return ops.unpermute(w, layer.int8_perm)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return torch.ops.hf_w4.int8_gemm(x, layer.int8_packed, layer.int8_scales, layer.int8_zeros, layer.int8_perm,
-                                         bias, self.weight_type, self.n, self.k, self.group_size, self.act_group, "")
+        return linear_call(torch.ops.hf_w4.int8_gemm, x, layer.int8_packed, layer.int8_scales, layer.int8_zeros,
+                           layer.int8_perm, bias, self.weight_type, self.n, self.k, self.group_size, self.act_group, "")

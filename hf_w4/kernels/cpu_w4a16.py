@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import layouts
+from ..ops import linear_call
 from ..formats.spec import W4Spec
 from .base import Kernel, OK
 from .registry import register
@@ -74,7 +75,7 @@ class CpuW4A16Kernel(Kernel):
         # an MoE decode step makes hundreds of small calls), no reshape for 2-D x
         b = layer._buffers
         x2 = x if x.dim() == 2 else x.reshape(-1, self.k)
-        y = torch.ops.hf_w4.cpu_w4a16_gemm(
-            x2, b["w4a16_qpack"], b["w4a16_scales"], b["w4a16_zs"], b["w4a16_perm"], bias,
-            self.n, self.group_size, self.weight_type, self.global_scale, "", -1)
+        y = linear_call(torch.ops.hf_w4.cpu_w4a16_gemm,
+                        x2, b["w4a16_qpack"], b["w4a16_scales"], b["w4a16_zs"], b["w4a16_perm"], bias,
+                        self.n, self.group_size, self.weight_type, self.global_scale, "", -1)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.n)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import env, layouts
+from ..ops import linear_call
 from ..formats.spec import W4Spec
 from .base import Kernel, OK
 from .registry import register
@@ -189,6 +190,6 @@ class CudaW4A16Kernel(Kernel):
         elif x2.shape[0] >= self.large_m:
             y = F.linear(x2, self.dense_weight(layer, x.dtype), None if bias is None else bias.to(x.dtype))
         else:
-            y = torch.ops.hf_w4.cuda_w4a16_gemm(x2, b["cuda_w4a16_q"], self._scales(b, x.dtype), b["cuda_w4a16_z"],
-                                                bias, self.n, self.group_size, self.weight_type, self.global_scale)
+            y = linear_call(torch.ops.hf_w4.cuda_w4a16_gemm, x2, b["cuda_w4a16_q"], self._scales(b, x.dtype),
+                            b["cuda_w4a16_z"], bias, self.n, self.group_size, self.weight_type, self.global_scale)
         return y.reshape(*x.shape[:-1], self.n)

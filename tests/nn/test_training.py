@@ -21,6 +21,21 @@ def _tokens():
     return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "ct-w8a8"])
+def test_no_grad_calls_skip_the_autograd_layer(written, fmt):
+    """Under no_grad (generate) or for inputs that need no gradient, the kernels call their op below the autograd
+    layer (hf_w4.ops.linear_call): the same numbers, no graph; with a gradient wanted, the graph is there."""
+    model = AutoModelForCausalLM.from_pretrained(written(fmt, {}).path, dtype=torch.float32)
+    m = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    x = torch.randn(2, m.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        quiet = m(x.requires_grad_())
+    plain = m(x.detach())
+    traced = m(x)
+    assert quiet.grad_fn is None and plain.grad_fn is None and traced.grad_fn is not None
+    assert torch.equal(quiet, plain) and torch.equal(traced.detach(), plain)
+
+
 @pytest.mark.parametrize("fmt,opts", VARIANTS, ids=IDS)
 def test_input_gradient_is_grad_y_times_dense_weight(written, fmt, opts):
     """Every layer's input gradient, through the compiled op's registered autograd formula, is grad_y @ W with W
