@@ -492,11 +492,6 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
   }
 }
 
-#undef HF_I16_ZERO2
-#undef HF_I16_ZERO8
-#undef HF_I16_ROW
-#undef HF_I16_ROWS8
-
 #pragma GCC push_options
 #ifndef HF_W4_EMULATE_AVX512
 #pragma GCC target("avx512vbmi")
@@ -533,15 +528,18 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
-// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), one vpmullw per
-// 32 decoded codes, and one column scale 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
+// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), the product of
+// the doubled e2m1 value and a multiplier of at most 240 (one vpmaddubsw per 32 codes: nv_fold_decode), and one
+// column scale 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
 // below the largest would lose bits: when any of the 32 columns has such a pair of nonzero blocks, that activation
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
-// block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
-// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
-// per-16-k kernel at M = 16-32 and ~12 % at M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel). What is left against int4
-// is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
+// block's sum of |xq| by kNvFoldL1 (w4a16.h). From 16 rows each activation block's codes are decoded once into an L1
+// buffer that all row blocks then read, so the decode and the fold are shared by the M rows; an 8-row block of M = 8-15
+// decodes in registers instead (rows8_nvfp4_codes). ~25 % faster than the per-16-k kernel at M = 16-32 and ~12 % at
+// M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel. What is left against int4 (docs/cpu-kernels.md,
+// "Small M on Zen 5") is the decode (4 vpshufb + 4 vpmaddubsw per 2 k-pairs beyond int4's and / shift, the
+// vpmaddubsw on the pipes of vpdpwssd) and the fold of the scales once per panel and activation block.
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -616,13 +614,114 @@ struct NvFolder {
   }
 };
 
+// The 64 code bytes of k-pairs j, j + 1 -> their folded int16 weights w[0..3] (pair j's columns 0..15 and 16..31,
+// then pair j + 1's) for the multipliers ml / mh of the 16-k block (NvFold::mult: a u8 in the low byte of each
+// word, 0 in the high one): the codes zero-extended to words, each nibble's doubled e2m1 value by vpshufb (the
+// word's high byte, 0, looks up entry 0, which is 0) and vpmaddubsw (u8 x s8 pairs summed into a word: here
+// multiplier x value, sign-extended). On Zen 5 vpshufb runs beside vpdpwssd where vpermb and the byte-to-word
+// sign extensions of ByteLutDecode compete with it (4096x4096, M = 8, 1 thread: ~10 % faster).
+__attribute__((always_inline)) inline void nv_fold_decode(const uint8_t* src, __m512i lut, __m512i ml, __m512i mh,
+                                                          __m512i w[4]) {
+  for (int u = 0; u < 2; ++u) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * u)));
+    w[2 * u] = _mm512_maddubs_epi16(ml, _mm512_shuffle_epi8(lut, _mm512_and_si512(c, _mm512_set1_epi16(15))));
+    w[2 * u + 1] = _mm512_maddubs_epi16(mh, _mm512_shuffle_epi8(lut, _mm512_srli_epi16(c, 4)));
+  }
+}
+
+// 8 rows x one activation block (nb 16-k blocks of the codes qb), decoded in registers (nv_fold_decode) straight
+// into the dot products, instead of into the L1 buffer that rows_i16 reads: the same integers, without storing the
+// weights and loading them back, for rows whose block decode serves no other row block. Flushed into the fp32 sums
+// o [8][32] as rows_i16 does (once per activation block, or per 16-k block where the fold is not one): bit-identical.
+__attribute__((always_inline)) inline void rows8_nvfp4_codes(const uint8_t* qb, const NvFold& f, int nb, __m512i lut,
+                                                             const int16_t* x, int64_t ldx, const float* xs,
+                                                             int64_t nab, float* o) {
+  const int bpf = f.one ? nb : 1;  // 16-k blocks per flush
+  for (int fi = 0; fi < (f.one ? 1 : nb); ++fi) {
+    __m512i a0[8], a1[8];  // columns 0..15 / 16..31
+    const uint8_t* qf = qb + fi * bpf * 8 * W4_NP;
+    const int16_t* xf = x + 16 * fi * bpf;
+    const int16_t* mp = f.mult[fi * bpf][0];
+    if constexpr (kAsmLoops) {
+      // nv_fold_decode and the 8-row dot loop of panel_rows_i16's int4 blocks in inline asm (k = 4 x the k-pair
+      // index); a 16-k block every 32 k, its multipliers (128 bytes) at mp + 4 k; zmm24 = 15 in each word.
+      static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
+      int64_t k = 0;
+      asm volatile(
+          HF_I16_ZERO8
+          "movl $0x000f000f, %%eax\n\t"
+          "vpbroadcastd %%eax, %%zmm24\n\t"
+          "1:\n\t"
+          "vmovdqa64 (%[mp],%[k],4), %%zmm25\n\t"
+          "vmovdqa64 64(%[mp],%[k],4), %%zmm26\n\t"
+          "2:\n\t"
+          "vpmovzxbw (%[q],%[k],8), %%zmm28\n\t"
+          "vpmovzxbw 32(%[q],%[k],8), %%zmm31\n\t"
+          "prefetcht0 8192(%[q],%[k],8)\n\t"
+          "prefetcht1 32768(%[q],%[k],8)\n\t"
+          "vpsrlw $4, %%zmm28, %%zmm29\n\t"
+          "vpsrlw $4, %%zmm31, %%zmm30\n\t"
+          "vpandd %%zmm24, %%zmm28, %%zmm28\n\t"
+          "vpandd %%zmm24, %%zmm31, %%zmm31\n\t"
+          "vpshufb %%zmm28, %[lut], %%zmm28\n\t"
+          "vpshufb %%zmm29, %[lut], %%zmm29\n\t"
+          "vpshufb %%zmm31, %[lut], %%zmm31\n\t"
+          "vpshufb %%zmm30, %[lut], %%zmm30\n\t"
+          "vpmaddubsw %%zmm28, %%zmm25, %%zmm28\n\t"
+          "vpmaddubsw %%zmm29, %%zmm26, %%zmm29\n\t"
+          "vpmaddubsw %%zmm31, %%zmm25, %%zmm31\n\t"
+          "vpmaddubsw %%zmm30, %%zmm26, %%zmm30\n\t"
+          HF_I16_ROWS8("", "28", "29") HF_I16_ROWS8("4", "31", "30")
+          "add $8, %[k]\n\t"
+          "test $31, %[k]\n\t"
+          "jnz 2b\n\t"
+          "cmp %[n], %[k]\n\t"
+          "jl 1b\n\t"
+          : [a0] "=&v"(a0[0]), [b0] "=&v"(a1[0]), [a1] "=&v"(a0[1]), [b1] "=&v"(a1[1]), [a2] "=&v"(a0[2]),
+            [b2] "=&v"(a1[2]), [a3] "=&v"(a0[3]), [b3] "=&v"(a1[3]), [a4] "=&v"(a0[4]), [b4] "=&v"(a1[4]),
+            [a5] "=&v"(a0[5]), [b5] "=&v"(a1[5]), [a6] "=&v"(a0[6]), [b6] "=&v"(a1[6]), [a7] "=&v"(a0[7]),
+            [b7] "=&v"(a1[7]), [k] "+r"(k)
+          : [q] "r"(qf), [mp] "r"(mp), [x0] "r"(xf), [x1] "r"(xf + ldx), [x2] "r"(xf + 2 * ldx),
+            [x3] "r"(xf + 3 * ldx), [x4] "r"(xf + 4 * ldx), [x5] "r"(xf + 5 * ldx), [x6] "r"(xf + 6 * ldx),
+            [x7] "r"(xf + 7 * ldx), [n] "r"(static_cast<int64_t>(32 * bpf)), [lut] "v"(lut)
+          : "rax", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "cc", "memory");
+    } else {
+      for (int m = 0; m < 8; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+      for (int b = 0; b < bpf; ++b) {
+        const __m512i ml = _mm512_load_si512(mp + 64 * b), mh = _mm512_load_si512(mp + 64 * b + 32);
+        for (int j = 0; j < 8; j += 2) {
+          __m512i w[4];
+          nv_fold_decode(qf + (8 * b + j) * W4_NP, lut, ml, mh, w);
+          for (int u = 0; u < 2; ++u)
+            for (int m = 0; m < 8; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xf + m * ldx + 16 * b + 2 * (j + u), 4);
+              const __m512i xv = _mm512_set1_epi32(xp);
+              a0[m] = _mm512_dpwssd_epi32(a0[m], w[2 * u], xv);
+              a1[m] = _mm512_dpwssd_epi32(a1[m], w[2 * u + 1], xv);
+            }
+        }
+      }
+    }
+    const __m512 c0 = _mm512_load_ps(f.cs[fi]), c1 = _mm512_load_ps(f.cs[fi] + 16);
+    for (int m = 0; m < 8; ++m) {
+      const __m512 xsv = _mm512_set1_ps(xs[m * nab]);
+      float* r = o + m * W4_NP;
+      _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[m]), _mm512_mul_ps(c0, xsv), _mm512_load_ps(r)));
+      _mm512_store_ps(r + 16,
+                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[m]), _mm512_mul_ps(c1, xsv), _mm512_load_ps(r + 16)));
+    }
+  }
+}
+
 // Rows in chunks of kNvRowChunk: all of them per activation block would read x with a stride of K per row and keep
 // M x 32 fp32 sums (no-AMX benchmark, 4096x4096, time / int4 at M = 256 and 1024: all rows 1.28 / 1.44, chunks of
 // 32 rows 1.15 / 1.17, of 64 rows 1.17 / 1.51).
 constexpr int64_t kNvRowChunk = 32;
 
 // Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (8 KiB for
-// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk.
+// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk (below 16
+// rows, the 8-row block decodes in registers).
 void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const float* xs0, int64_t M0, int64_t L,
                                  int64_t p0, int64_t p1) {
   const int64_t K = g.K, nab = K / L, pairs = L / 2;
@@ -633,7 +732,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
   int16_t* w = wbuf.get(static_cast<size_t>(pairs) * 2 * W4_NP);
   NvFold f;
   static const NvFolder fold;
-  const ByteLutDecode decode;
+  const __m512i lut = ByteLutDecode().lut;
   for (int64_t p = p0; p < p1; ++p)
   for (int64_t c0 = 0; c0 < M0; c0 += kNvRowChunk) {
     const int64_t M = std::min(kNvRowChunk, M0 - c0);
@@ -646,22 +745,26 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
       for (int i = 0; i < nb; i += 2) _mm_prefetch(reinterpret_cast<const char*>(sp + 1024 + 32 * i), _MM_HINT_T0);
       fold(sp, nb, f);
       const uint8_t* qb = q + blk * pairs * W4_NP;
+      // M = 8-15: the 8-row block decodes in registers (rows8_nvfp4_codes), the rest from the L1 buffer; from 16
+      // rows every row block reads the buffer, decoded once for all of them (in registers for each 8-row block:
+      // ~3-5 % slower at M = 16-32)
+      const int64_t m8 = M < 16 ? M & ~int64_t{7} : 0;
+      for (int64_t r0 = 0; r0 < m8; r0 += 8)
+        rows8_nvfp4_codes(qb, f, nb, lut, xq + r0 * K + blk * L, K, xs + r0 * nab + blk, nab, o + r0 * W4_NP);
+      if (m8 == M) continue;
       for (int b = 0; b < nb; ++b) {
         const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
         for (int j = 8 * b; j < 8 * b + 8; j += 2) {
           _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
-          __m512i wl[2], wh[2];
-          decode(qb + j * W4_NP, wl, wh);
-          for (int u = 0; u < 2; ++u) {
-            _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
-            _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
-          }
+          __m512i wv[4];
+          nv_fold_decode(qb + j * W4_NP, lut, ml, mh, wv);
+          for (int i = 0; i < 4; ++i) _mm512_store_si512(w + (j * 2 + i) * W4_NP, wv[i]);
         }
       }
       const int64_t pf = f.one ? pairs : 8;
       const int nf = f.one ? 1 : nb;
-      for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
+      for (int64_t r0 = m8, mr; r0 < M; r0 += mr) {
         const int64_t left = M - r0;
         mr = left >= 8 ? 8 : left >= 4 ? 4 : left;
         const int16_t* x0 = xq + r0 * K + blk * L;
@@ -673,6 +776,10 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, c0 + m, p * W4_NP, o + m * W4_NP, W4_NP);
   }
 }
+#undef HF_I16_ZERO2
+#undef HF_I16_ZERO8
+#undef HF_I16_ROW
+#undef HF_I16_ROWS8
 #pragma GCC pop_options
 
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (k-rows, columns contiguous), scales folded
