@@ -528,18 +528,18 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
-// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), the product of
-// the doubled e2m1 value and a multiplier of at most 240 (one vpmaddubsw per 32 codes: nv_fold_decode), and one
-// column scale 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
+// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), the doubled
+// e2m1 value times a multiplier of at most 240 (one vpmullw, or vpmaddubsw, per 32 codes), and one column scale
+// 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
 // below the largest would lose bits: when any of the 32 columns has such a pair of nonzero blocks, that activation
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
-// block's sum of |xq| by kNvFoldL1 (w4a16.h). From 16 rows each activation block's codes are decoded once into an L1
-// buffer that all row blocks then read, so the decode and the fold are shared by the M rows; an 8-row block of M = 8-15
-// decodes in registers instead (rows8_nvfp4_codes). ~25 % faster than the per-16-k kernel at M = 16-32 and ~12 % at
-// M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel. What is left against int4 (docs/cpu-kernels.md,
-// "Small M on Zen 5") is the decode (4 vpshufb + 4 vpmaddubsw per 2 k-pairs beyond int4's and / shift, the
-// vpmaddubsw on the pipes of vpdpwssd) and the fold of the scales once per panel and activation block.
+// block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
+// row blocks then read, so the decode, the multiplies and the fold are shared by the M rows; exactly 8 rows decode in
+// registers instead (rows8_nvfp4_codes). ~25 % faster than the per-16-k kernel at M = 16-32 and ~25 % at M = 8 on
+// Zen 5; slower up to M = 6, which keeps the per-16-k kernel. What is left against int4 (docs/cpu-kernels.md, "Small
+// M on Zen 5") is the decode beyond int4's and / shift (its multiplies on the pipes of vpdpwssd) and the fold of the
+// scales once per panel and activation block.
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -619,7 +619,8 @@ struct NvFolder {
 // word, 0 in the high one): the codes zero-extended to words, each nibble's doubled e2m1 value by vpshufb (the
 // word's high byte, 0, looks up entry 0, which is 0) and vpmaddubsw (u8 x s8 pairs summed into a word: here
 // multiplier x value, sign-extended). On Zen 5 vpshufb runs beside vpdpwssd where vpermb and the byte-to-word
-// sign extensions of ByteLutDecode compete with it (4096x4096, M = 8, 1 thread: ~10 % faster).
+// sign extensions of ByteLutDecode (+ vpmullw) take issue slots from it (a loop of 32 vpdpwssd: +14 % time with this
+// decode, +20 % with that one).
 __attribute__((always_inline)) inline void nv_fold_decode(const uint8_t* src, __m512i lut, __m512i ml, __m512i mh,
                                                           __m512i w[4]) {
   for (int u = 0; u < 2; ++u) {
@@ -631,8 +632,9 @@ __attribute__((always_inline)) inline void nv_fold_decode(const uint8_t* src, __
 
 // 8 rows x one activation block (nb 16-k blocks of the codes qb), decoded in registers (nv_fold_decode) straight
 // into the dot products, instead of into the L1 buffer that rows_i16 reads: the same integers, without storing the
-// weights and loading them back, for rows whose block decode serves no other row block. Flushed into the fp32 sums
-// o [8][32] as rows_i16 does (once per activation block, or per 16-k block where the fold is not one): bit-identical.
+// weights and loading them back, where the block's decode serves one row block (M = 8: 10-14 % faster on Zen 5).
+// Flushed into the fp32 sums o [8][32] as rows_i16 does (once per activation block, or per 16-k block where the fold
+// is not one): bit-identical.
 __attribute__((always_inline)) inline void rows8_nvfp4_codes(const uint8_t* qb, const NvFold& f, int nb, __m512i lut,
                                                              const int16_t* x, int64_t ldx, const float* xs,
                                                              int64_t nab, float* o) {
@@ -720,8 +722,8 @@ __attribute__((always_inline)) inline void rows8_nvfp4_codes(const uint8_t* qb, 
 constexpr int64_t kNvRowChunk = 32;
 
 // Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (8 KiB for
-// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk (below 16
-// rows, the 8-row block decodes in registers).
+// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk (a chunk of
+// exactly 8 rows decodes in registers).
 void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const float* xs0, int64_t M0, int64_t L,
                                  int64_t p0, int64_t p1) {
   const int64_t K = g.K, nab = K / L, pairs = L / 2;
@@ -732,7 +734,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
   int16_t* w = wbuf.get(static_cast<size_t>(pairs) * 2 * W4_NP);
   NvFold f;
   static const NvFolder fold;
-  const __m512i lut = ByteLutDecode().lut;
+  const ByteLutDecode decode;
   for (int64_t p = p0; p < p1; ++p)
   for (int64_t c0 = 0; c0 < M0; c0 += kNvRowChunk) {
     const int64_t M = std::min(kNvRowChunk, M0 - c0);
@@ -745,26 +747,30 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
       for (int i = 0; i < nb; i += 2) _mm_prefetch(reinterpret_cast<const char*>(sp + 1024 + 32 * i), _MM_HINT_T0);
       fold(sp, nb, f);
       const uint8_t* qb = q + blk * pairs * W4_NP;
-      // M = 8-15: the 8-row block decodes in registers (rows8_nvfp4_codes), the rest from the L1 buffer; from 16
-      // rows every row block reads the buffer, decoded once for all of them (in registers for each 8-row block:
-      // ~3-5 % slower at M = 16-32)
-      const int64_t m8 = M < 16 ? M & ~int64_t{7} : 0;
-      for (int64_t r0 = 0; r0 < m8; r0 += 8)
-        rows8_nvfp4_codes(qb, f, nb, lut, xq + r0 * K + blk * L, K, xs + r0 * nab + blk, nab, o + r0 * W4_NP);
-      if (m8 == M) continue;
+      // exactly 8 rows: one row block, decoded in registers (rows8_nvfp4_codes). With more rows the buffer, decoded
+      // once for all row blocks, is faster: in registers the 8-row block of M = 9-15 needed a second decode for the
+      // rest, and decoding per 8-row block was slower from 16 rows.
+      if (M == 8) {
+        rows8_nvfp4_codes(qb, f, nb, decode.lut, xq + blk * L, K, xs + blk, nab, o);
+        continue;
+      }
+      // (ByteLutDecode + vpmullw here: nv_fold_decode storing its weights was no faster, ~5 % slower at M = 12)
       for (int b = 0; b < nb; ++b) {
         const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
         for (int j = 8 * b; j < 8 * b + 8; j += 2) {
           _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
-          __m512i wv[4];
-          nv_fold_decode(qb + j * W4_NP, lut, ml, mh, wv);
-          for (int i = 0; i < 4; ++i) _mm512_store_si512(w + (j * 2 + i) * W4_NP, wv[i]);
+          __m512i wl[2], wh[2];
+          decode(qb + j * W4_NP, wl, wh);
+          for (int u = 0; u < 2; ++u) {
+            _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
+            _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
+          }
         }
       }
       const int64_t pf = f.one ? pairs : 8;
       const int nf = f.one ? 1 : nb;
-      for (int64_t r0 = m8, mr; r0 < M; r0 += mr) {
+      for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
         const int64_t left = M - r0;
         mr = left >= 8 ? 8 : left >= 4 ? 4 : left;
         const int16_t* x0 = xq + r0 * K + blk * L;
