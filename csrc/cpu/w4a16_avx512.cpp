@@ -492,11 +492,6 @@ __attribute__((always_inline)) inline void rows_i16(const int16_t* w, int64_t pf
   }
 }
 
-#undef HF_I16_ZERO2
-#undef HF_I16_ZERO8
-#undef HF_I16_ROW
-#undef HF_I16_ROWS8
-
 #pragma GCC push_options
 #ifndef HF_W4_EMULATE_AVX512
 #pragma GCC target("avx512vbmi")
@@ -533,15 +528,19 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // one fp32 flush per activation block of L = 16 * nb k (up to 128) instead of one per 16-k block. An e4m3 scale is
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
-// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), one vpmullw per
-// 32 decoded codes, and one column scale 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
+// exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), the doubled
+// e2m1 value times a multiplier of at most 240 (one vpmullw, or vpmaddubsw, per 32 codes), and one column scale
+// 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
 // below the largest would lose bits: when any of the 32 columns has such a pair of nonzero blocks, that activation
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
 // without folding. Exact in both cases; the int32 sums stay below 2^31 because the activation quantizer bounds each
-// block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once into an L1 buffer that all
-// row blocks then read, so the decode, the vpmullw and the fold are shared by the M rows (~25 % faster than the
-// per-16-k kernel at M = 16-32 and ~12 % at M = 8 on Zen 5; slower up to M = 6, which keeps the per-16-k kernel). What is left against int4
-// is the decode (9 uops + 4 vpmullw per 2 k-pairs against int4's 6).
+// block's sum of |xq| by kNvFoldL1 (w4a16.h). Each activation block's codes are decoded once, by the first 8-row block
+// (rows8_nvfp4_codes, in registers, among its dot products) into an L1 buffer that the other row blocks then read, so
+// the decode, the multiplies and the fold are shared by the M rows. Faster than the per-16-k kernel from M = 8 on
+// Zen 5 (by ~25 % at M = 16-32 before rows8_nvfp4_codes, which took another 5-14 %); slower up to M = 6, which keeps
+// the per-16-k kernel. What is left against int4 (docs/cpu-kernels.md, "Small
+// M on Zen 5") is the decode beyond int4's and / shift (its multiplies on the pipes of vpdpwssd) and the fold of the
+// scales once per panel and activation block.
 struct NvFold {
   alignas(64) int16_t mult[8][2][32];  // [16-k block][column half]: each column's multiplier in both words of its lane
   alignas(64) float cs[8][W4_NP];      // column scales: [0] for the activation block, or one per 16-k block
@@ -616,13 +615,158 @@ struct NvFolder {
   }
 };
 
+// The 64 code bytes of k-pairs j, j + 1 -> their folded int16 weights w[0..3] (pair j's columns 0..15 and 16..31,
+// then pair j + 1's) for the multipliers ml / mh of the 16-k block (NvFold::mult: a u8 in the low byte of each
+// word, 0 in the high one): the codes zero-extended to words, each nibble's doubled e2m1 value by vpshufb (the
+// word's high byte, 0, looks up entry 0, which is 0) and vpmaddubsw (u8 x s8 pairs summed into a word: here
+// multiplier x value, sign-extended). On Zen 5 vpshufb runs beside vpdpwssd where vpermb and the byte-to-word
+// sign extensions of ByteLutDecode (+ vpmullw) take issue slots from it (a loop of 32 vpdpwssd: +14 % time with this
+// decode, +20 % with that one).
+__attribute__((always_inline)) inline void nv_fold_decode(const uint8_t* src, __m512i lut, __m512i ml, __m512i mh,
+                                                          __m512i w[4]) {
+  for (int u = 0; u < 2; ++u) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * u)));
+    w[2 * u] = _mm512_maddubs_epi16(ml, _mm512_shuffle_epi8(lut, _mm512_and_si512(c, _mm512_set1_epi16(15))));
+    w[2 * u + 1] = _mm512_maddubs_epi16(mh, _mm512_shuffle_epi8(lut, _mm512_srli_epi16(c, 4)));
+  }
+}
+
+// 8 rows x one activation block (nb 16-k blocks of the codes qb), decoded in registers (nv_fold_decode) straight
+// into the dot products, instead of in a pass of its own into the L1 buffer that rows_i16 reads: the same integers,
+// with the decode among the dot products (where vpdpwssd leaves it room) instead of before them. Flushed into the fp32
+// sums o [8][32] as rows_i16 does (once per activation block, or per 16-k block where the fold is not one):
+// bit-identical.
+// Bytes 8 h .. 8 h + 7 of the doubled e2m1 table (2 x kE2M1, int8) as a little-endian qword.
+constexpr uint64_t e2m1x2_qword(int h) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = v << 8 | static_cast<uint8_t>(static_cast<int8_t>(2.0f * kE2M1[8 * h + i]));
+  return v;
+}
+
+// The asm loop of rows8_nvfp4_codes; STORE: the decoded weights also into the buffer at w (rows_i16's layout).
+#define HF_NV_ROWS8(STORE)                               \
+  HF_I16_ZERO8                                           \
+  "movl $0x000f000f, %%eax\n\t"                          \
+  "vpbroadcastd %%eax, %%zmm24\n\t"                      \
+  "movabs $0x0c08060403020100, %%rax\n\t"                \
+  "vmovq %%rax, %%xmm23\n\t"                             \
+  "movabs $0xf4f8fafcfdfeff00, %%rax\n\t"                \
+  "vpinsrq $1, %%rax, %%xmm23, %%xmm23\n\t"              \
+  "vshufi32x4 $0, %%zmm23, %%zmm23, %%zmm23\n\t"         \
+  "1:\n\t"                                               \
+  "vmovdqa64 (%[mp],%[k],4), %%zmm25\n\t"                \
+  "vmovdqa64 64(%[mp],%[k],4), %%zmm26\n\t"              \
+  "2:\n\t"                                               \
+  "vpmovzxbw (%[q],%[k],8), %%zmm28\n\t"                 \
+  "vpmovzxbw 32(%[q],%[k],8), %%zmm31\n\t"               \
+  "prefetcht0 8192(%[q],%[k],8)\n\t"                     \
+  "prefetcht1 32768(%[q],%[k],8)\n\t"                    \
+  "vpsrlw $4, %%zmm28, %%zmm29\n\t"                      \
+  "vpsrlw $4, %%zmm31, %%zmm30\n\t"                      \
+  "vpandd %%zmm24, %%zmm28, %%zmm28\n\t"                 \
+  "vpandd %%zmm24, %%zmm31, %%zmm31\n\t"                 \
+  "vpshufb %%zmm28, %%zmm23, %%zmm28\n\t"                \
+  "vpshufb %%zmm29, %%zmm23, %%zmm29\n\t"                \
+  "vpshufb %%zmm31, %%zmm23, %%zmm31\n\t"                \
+  "vpshufb %%zmm30, %%zmm23, %%zmm30\n\t"                \
+  "vpmaddubsw %%zmm28, %%zmm25, %%zmm28\n\t"             \
+  "vpmaddubsw %%zmm29, %%zmm26, %%zmm29\n\t"             \
+  "vpmaddubsw %%zmm31, %%zmm25, %%zmm31\n\t"             \
+  "vpmaddubsw %%zmm30, %%zmm26, %%zmm30\n\t"             \
+  STORE                                                  \
+  HF_I16_ROWS8("", "28", "29") HF_I16_ROWS8("4", "31", "30") \
+  "add $8, %[k]\n\t"                                     \
+  "test $31, %[k]\n\t"                                   \
+  "jnz 2b\n\t"                                           \
+  "test %[k], %[k]\n\t"                                  \
+  "jnz 1b\n\t"
+#define HF_NV_STORE                                      \
+  "vmovdqa64 %%zmm28, (%[w])\n\t"                        \
+  "vmovdqa64 %%zmm29, 64(%[w])\n\t"                      \
+  "vmovdqa64 %%zmm31, 128(%[w])\n\t"                     \
+  "vmovdqa64 %%zmm30, 192(%[w])\n\t"                     \
+  "add $256, %[w]\n\t"
+#define HF_NV_OUTS                                                                                               \
+  [a0] "=&v"(a0[0]), [b0] "=&v"(a1[0]), [a1] "=&v"(a0[1]), [b1] "=&v"(a1[1]), [a2] "=&v"(a0[2]),             \
+  [b2] "=&v"(a1[2]), [a3] "=&v"(a0[3]), [b3] "=&v"(a1[3]), [a4] "=&v"(a0[4]), [b4] "=&v"(a1[4]),             \
+  [a5] "=&v"(a0[5]), [b5] "=&v"(a1[5]), [a6] "=&v"(a0[6]), [b6] "=&v"(a1[6]), [a7] "=&v"(a0[7]),             \
+  [b7] "=&v"(a1[7]), [k] "+r"(k)
+#define HF_NV_INS                                                                                             \
+  [q] "r"(qe), [mp] "r"(me), [x0] "r"(xe), [x1] "r"(xe + 2 * ldx), [x2] "r"(xe + 4 * ldx),                  \
+  [x3] "r"(xe + 6 * ldx), [x4] "r"(xe + 8 * ldx), [x5] "r"(xe + 10 * ldx), [x6] "r"(xe + 12 * ldx),          \
+  [x7] "r"(xe + 14 * ldx)
+#define HF_NV_CLOBBERS "rax", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "cc", "memory"
+// With STORE (more rows than these 8) the decoded weights also go to w (pairs x 64 int16, rows_i16's layout) for
+// the other row blocks: the decode then runs among the dot products of this block instead of in a pass of its own
+// before them.
+template <bool STORE>
+__attribute__((always_inline)) inline void rows8_nvfp4_codes(const uint8_t* qb, const NvFold& f, int nb, __m512i lut,
+                                                             const int16_t* x, int64_t ldx, const float* xs,
+                                                             int64_t nab, float* o, int16_t* w) {
+  const int bpf = f.one ? nb : 1;  // 16-k blocks per flush
+  for (int fi = 0; fi < (f.one ? 1 : nb); ++fi) {
+    __m512i a0[8], a1[8];  // columns 0..15 / 16..31
+    const uint8_t* qf = qb + fi * bpf * 8 * W4_NP;
+    const int16_t* xf = x + 16 * fi * bpf;
+    const int16_t* mp = f.mult[fi * bpf][0];
+    int16_t* wf = w + fi * bpf * 8 * 2 * W4_NP;
+    if constexpr (kAsmLoops) {
+      // nv_fold_decode and the 8-row dot loop of panel_rows_i16's int4 blocks in inline asm. k = 4 x the k-pair
+      // index, counted from -4 x the pairs up to 0 (the pointers qe, xe, me are at the end: no bound operand; an asm
+      // statement takes at most 30, and the table is built inside for the same reason); a 16-k block every 32 k, its
+      // multipliers (128 bytes) at me + 4 k; zmm23 = the doubled e2m1 table in each 16-byte lane, zmm24 = 15 in each
+      // word.
+      static_assert(kW4PrefetchBytes == 8192 && kW4PrefetchFarBytes == 32768, "the asm spells both distances");
+      static_assert(e2m1x2_qword(0) == 0x0c08060403020100ull && e2m1x2_qword(1) == 0xf4f8fafcfdfeff00ull,
+                    "the asm spells the table");
+      const int64_t n = 32 * bpf;
+      int64_t k = -n;
+      const char* qe = reinterpret_cast<const char*>(qf) + 8 * n;
+      const char* xe = reinterpret_cast<const char*>(xf) + n;
+      const char* me = reinterpret_cast<const char*>(mp) + 4 * n;
+      if constexpr (STORE)
+        asm volatile(HF_NV_ROWS8(HF_NV_STORE) : HF_NV_OUTS, [w] "+r"(wf) : HF_NV_INS : HF_NV_CLOBBERS);
+      else
+        asm volatile(HF_NV_ROWS8("") : HF_NV_OUTS : HF_NV_INS : HF_NV_CLOBBERS);
+    } else {
+      for (int m = 0; m < 8; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+      for (int b = 0; b < bpf; ++b) {
+        const __m512i ml = _mm512_load_si512(mp + 64 * b), mh = _mm512_load_si512(mp + 64 * b + 32);
+        for (int j = 0; j < 8; j += 2) {
+          __m512i wv[4];
+          nv_fold_decode(qf + (8 * b + j) * W4_NP, lut, ml, mh, wv);
+          if (STORE)
+            for (int i = 0; i < 4; ++i) _mm512_store_si512(wf + (2 * (8 * b + j) + i) * W4_NP, wv[i]);
+          for (int u = 0; u < 2; ++u)
+            for (int m = 0; m < 8; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xf + m * ldx + 16 * b + 2 * (j + u), 4);
+              const __m512i xv = _mm512_set1_epi32(xp);
+              a0[m] = _mm512_dpwssd_epi32(a0[m], wv[2 * u], xv);
+              a1[m] = _mm512_dpwssd_epi32(a1[m], wv[2 * u + 1], xv);
+            }
+        }
+      }
+    }
+    const __m512 c0 = _mm512_load_ps(f.cs[fi]), c1 = _mm512_load_ps(f.cs[fi] + 16);
+    for (int m = 0; m < 8; ++m) {
+      const __m512 xsv = _mm512_set1_ps(xs[m * nab]);
+      float* r = o + m * W4_NP;
+      _mm512_store_ps(r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[m]), _mm512_mul_ps(c0, xsv), _mm512_load_ps(r)));
+      _mm512_store_ps(r + 16,
+                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[m]), _mm512_mul_ps(c1, xsv), _mm512_load_ps(r + 16)));
+    }
+  }
+}
+
 // Rows in chunks of kNvRowChunk: all of them per activation block would read x with a stride of K per row and keep
 // M x 32 fp32 sums (no-AMX benchmark, 4096x4096, time / int4 at M = 256 and 1024: all rows 1.28 / 1.44, chunks of
 // 32 rows 1.15 / 1.17, of 64 rows 1.17 / 1.51).
 constexpr int64_t kNvRowChunk = 32;
 
 // Per panel and activation block: fold the scales, decode the block's codes once into int16 weights (8 KiB for
-// L = 128, kept in L1), then run every row block over them - the decode is shared by the rows of a chunk.
+// L = 128, kept in L1) while the first 8 rows run over them, then run the other row blocks over the buffer - the
+// decode is shared by the rows of a chunk (chunks of 1-7 rows, the last of M = 33-39 say, decode into it first).
 void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const float* xs0, int64_t M0, int64_t L,
                                  int64_t p0, int64_t p1) {
   const int64_t K = g.K, nab = K / L, pairs = L / 2;
@@ -646,22 +790,30 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
       for (int i = 0; i < nb; i += 2) _mm_prefetch(reinterpret_cast<const char*>(sp + 1024 + 32 * i), _MM_HINT_T0);
       fold(sp, nb, f);
       const uint8_t* qb = q + blk * pairs * W4_NP;
-      for (int b = 0; b < nb; ++b) {
-        const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
-        for (int j = 8 * b; j < 8 * b + 8; j += 2) {
-          _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
-          __m512i wl[2], wh[2];
-          decode(qb + j * W4_NP, wl, wh);
-          for (int u = 0; u < 2; ++u) {
-            _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
-            _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
+      // the first 8 rows decode in registers (rows8_nvfp4_codes), with more rows also into the buffer for the rest
+      // (Zen 5, 1 thread, against decoding into the buffer first: 10-14 % faster at M = 8, 7-11 % at M = 9-16, 5-10 %
+      // at M = 24-32)
+      if (M >= 8) {
+        if (M == 8) rows8_nvfp4_codes<false>(qb, f, nb, decode.lut, xq + blk * L, K, xs + blk, nab, o, w);
+        else rows8_nvfp4_codes<true>(qb, f, nb, decode.lut, xq + blk * L, K, xs + blk, nab, o, w);
+      } else {
+        for (int b = 0; b < nb; ++b) {
+          const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
+          for (int j = 8 * b; j < 8 * b + 8; j += 2) {
+            _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+            __m512i wl[2], wh[2];
+            decode(qb + j * W4_NP, wl, wh);
+            for (int u = 0; u < 2; ++u) {
+              _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
+              _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
+            }
           }
         }
       }
       const int64_t pf = f.one ? pairs : 8;
       const int nf = f.one ? 1 : nb;
-      for (int64_t r0 = 0, mr; r0 < M; r0 += mr) {
+      for (int64_t r0 = M >= 8 ? 8 : 0, mr; r0 < M; r0 += mr) {
         const int64_t left = M - r0;
         mr = left >= 8 ? 8 : left >= 4 ? 4 : left;
         const int16_t* x0 = xq + r0 * K + blk * L;
@@ -673,6 +825,15 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
     for (int64_t m = 0; m < M; ++m) store_row_avx512(g, c0 + m, p * W4_NP, o + m * W4_NP, W4_NP);
   }
 }
+#undef HF_I16_ZERO2
+#undef HF_I16_ZERO8
+#undef HF_I16_ROW
+#undef HF_I16_ROWS8
+#undef HF_NV_ROWS8
+#undef HF_NV_STORE
+#undef HF_NV_OUTS
+#undef HF_NV_INS
+#undef HF_NV_CLOBBERS
 #pragma GCC pop_options
 
 // ---- dequantize to a dense transposed weight Wt [K][ldd] (k-rows, columns contiguous), scales folded

@@ -497,9 +497,10 @@ def test_int16_path_nvfp4_shapes(isa, k):
     q, s, z, perm = prep(qw)
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    # AVX-512: 2-7 activation blocks of up to 128 k (7 = a block of 6 rows + 1), 8 and 13 scales folded with VBMI
-    # (without: one block of 8, 6 + 6 + 1)
-    for M in (1, 2, 3, 4, 7, 8, 13):
+    # AVX-512: 2-7 activation blocks of up to 128 k (7 = a block of 6 rows + 1), from 8 scales folded with VBMI
+    # (8, 13 and 15: an 8-row block decoded in registers, 13 and 15 the rest as 4 + 1 and 4 + 3 from the L1 buffer;
+    # 20: blocks of 8 + 8 + 4, all from the buffer; without VBMI: one block of 8, 6 + 6 + 1, ...)
+    for M in (1, 2, 3, 4, 7, 8, 13, 15, 20):
         x = torch.randn(M, k, generator=gen) * torch.logspace(-3, 3, M)[:, None]
         x = x.to(torch.bfloat16)
         y = ops.cpu_w4a16_gemm(x, q, s, z, n, 16, "nvfp4", bias=bias, global_scale=qw.global_scale, isa=isa, path=3)
