@@ -217,13 +217,9 @@ void blocked_impl(const W4Gemm& g, const uint32_t* xp, const float* xsum, int64_
   const int64_t K = g.K, nrb = (M + kBR - 1) / kBR;
   thread_local AlignedBuf<uint16_t> wbuf;
   uint16_t* w = wbuf.get(static_cast<size_t>(K / 2) * 64);
-  // Row blocks in chunks of equal size whose activations (2 bytes each) take at most 8 MiB, so that every thread's
-  // pass over them hits the L3 (each panel reads all of a chunk's rows); a panel is decoded again for each chunk,
-  // so the chunks are as large as that allows (Zen 5, 1 thread, K = 11008, M = 256-1024: 4 MiB chunks 5-8 % slower,
-  // 8 and 12 MiB even; K = 4096, M = 1024-4096: 4, 8 and 16 MiB within the noise).
-  constexpr int64_t kChunkBytes = int64_t(8) << 20;
-  const int64_t nch = (nrb * kBR * 2 * K + kChunkBytes - 1) / kChunkBytes;
-  const int64_t chunk = (nrb + nch - 1) / nch;
+  // Zen 5, 1 thread: K = 11008, M = 256-1024: 4 MiB chunks 5-8 % slower than 8 and 12 MiB; K = 4096, M = 1024-4096:
+  // 4, 8 and 16 MiB within the noise
+  const int64_t chunk = w4a16_blocked_chunk(M, K);
   for (int64_t c0 = 0; c0 < nrb; c0 += chunk) {
     const int64_t c1 = std::min(nrb, c0 + chunk);
     for (int64_t p = p0; p < p1; ++p) {

@@ -251,21 +251,28 @@ bool run_int16(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, int64_t ag, con
   return true;
 }
 
-// The blocked kernel (bf16 x, AVX512-BF16): activations packed into row blocks, then each thread decodes its
-// panels once and runs every row block over them
+// The blocked kernel (bf16 x, AVX512-BF16), one chunk of rows at a time (w4a16_blocked_chunk): the chunk's
+// activations packed into row blocks, then each thread decodes its panels once and runs every row block over them.
+// Packing a chunk just before its use finds it in the L3, and the packed copy never exceeds one chunk.
 void run_blocked(const W4Gemm& g, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1), nrb = (M + kBlockedRows - 1) / kBlockedRows;
+  const int64_t M = x.size(0), K = x.size(1), crows = w4a16_blocked_chunk(M, K) * kBlockedRows;
   W4Gemm gb = g;
   at::Tensor bf;
   if (bias) { bf = bias->to(at::kFloat).contiguous(); gb.bias = bf.data_ptr<float>(); }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::Tensor xp = at::empty({nrb * (K / 2) * kBlockedRows}, x.options().dtype(at::kInt));
+  const int64_t xrows = (std::min(M, crows) + kBlockedRows - 1) / kBlockedRows * kBlockedRows;
+  at::Tensor xp = at::empty({xrows, K / 2}, x.options().dtype(at::kInt));
   uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
-  at::parallel_for(0, nrb, 1, [&](int64_t b0, int64_t b1) { w4a16_blocked_pack_x(xs, M, K, xpp, b0, b1); });
   std::vector<float> xsum;
   if (g.mode == W4_ASYM) xsum = group_sums(M, K, g.gs, [&](int64_t i) { return bf16_bits_to_f32(xs[i]); });
-  const float* xsp = xsum.empty() ? nullptr : xsum.data();
-  at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) { w4a16_blocked_avx512(gb, xpp, xsp, M, p0, p1); });
+  for (int64_t r0 = 0; r0 < M; r0 += crows) {
+    const int64_t rows = std::min(crows, M - r0), nrb = (rows + kBlockedRows - 1) / kBlockedRows;
+    W4Gemm gc = gb;
+    gc.out = static_cast<uint16_t*>(g.out) + r0 * g.ldo;  // bf16 y (the path takes bf16 x only)
+    const float* xsp = xsum.empty() ? nullptr : xsum.data() + r0 * g.G;
+    at::parallel_for(0, nrb, 1, [&](int64_t b0, int64_t b1) { w4a16_blocked_pack_x(xs + r0 * K, rows, K, xpp, b0, b1); });
+    at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) { w4a16_blocked_avx512(gc, xpp, xsp, rows, p0, p1); });
+  }
 }
 
 // AMX-BF16 tiles (bf16 x, K % 32 == 0)
