@@ -592,7 +592,7 @@ def _path_at(segs, M):
 PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4, "blocked": 5}
 
 
-BLOCKED_INT4_MIN_M = 256  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
+BLOCKED_INT4_MIN_M = 128  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
 
 
 @pytest.mark.parametrize("isa", ISAS)
