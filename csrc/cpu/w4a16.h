@@ -17,6 +17,7 @@
 // Math: y[m, n] = gscale * sum_g ( s[n,g] * sum_{k in g} x[m,k] * lut(code) - zs[n,g] * sum_{k in g} x[m,k] )
 //   lut: sym int4 -> code - 8, asym int4 -> code, nvfp4 -> e2m1(code).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "common/dispatch.h"
@@ -129,7 +130,7 @@ constexpr int kBlockedRows = 12;
 constexpr int64_t kBlockedChunkBytes = int64_t(8) << 20;
 inline int64_t w4a16_blocked_chunk(int64_t M, int64_t K) {
   const int64_t nrb = (M + kBlockedRows - 1) / kBlockedRows;
-  const int64_t most = kBlockedChunkBytes / (kBlockedRows * 2 * K) > 1 ? kBlockedChunkBytes / (kBlockedRows * 2 * K) : 1;
+  const int64_t most = std::max<int64_t>(1, kBlockedChunkBytes / (kBlockedRows * 2 * K));
   const int64_t nch = (nrb + most - 1) / most;
   return (nrb + nch - 1) / nch;
 }
