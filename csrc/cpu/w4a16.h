@@ -17,6 +17,7 @@
 // Math: y[m, n] = gscale * sum_g ( s[n,g] * sum_{k in g} x[m,k] * lut(code) - zs[n,g] * sum_{k in g} x[m,k] )
 //   lut: sym int4 -> code - 8, asym int4 -> code, nvfp4 -> e2m1(code).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "common/dispatch.h"
@@ -122,6 +123,17 @@ void w4a16_fused_i16_avx2(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // one contiguous stream instead of 12 rows K apart (which alias in L1). xsum fp32 [M][G] (asymmetric int4 only,
 // else null): the rows' group sums of x.
 constexpr int kBlockedRows = 12;
+// Row blocks per chunk: the rows run in chunks of equal size whose packed activations take at most
+// kBlockedChunkBytes, so that every panel's pass over a chunk reads it from the L3 (a panel is decoded again for each
+// chunk; w4a16_avx512_bf16.cpp says how the size was chosen). The kernel chunks any M it is given this way; the torch
+// glue packs and runs one chunk at a time, so the packed activations never take more than one chunk.
+constexpr int64_t kBlockedChunkBytes = int64_t(8) << 20;
+inline int64_t w4a16_blocked_chunk(int64_t M, int64_t K) {
+  const int64_t nrb = (M + kBlockedRows - 1) / kBlockedRows;
+  const int64_t most = std::max<int64_t>(1, kBlockedChunkBytes / (kBlockedRows * 2 * K));
+  const int64_t nch = (nrb + most - 1) / most;
+  return (nrb + nch - 1) / nch;
+}
 void w4a16_blocked_pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, int64_t rb0, int64_t rb1);
 void w4a16_blocked_avx512(const W4Gemm& g, const uint32_t* xp, const float* xsum, int64_t M, int64_t p0, int64_t p1);
 

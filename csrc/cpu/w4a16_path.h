@@ -105,12 +105,12 @@ inline int64_t avx2_i16_large_max_m(const PathCaps& c, int mode) {
   return mode == W4_NVFP4 ? 32 : 80;
 }
 // Smallest M of the blocked kernel for int4 with an int16 block, on CPUs whose AVX512-BF16 runs at full rate (AMD):
-// below it the int16 kernel, which decodes the codes in registers for every 8 rows, is faster (at M = 48-128 by
-// 5-20 %: the blocked kernel's panel decode is not yet spread over enough rows); the two are even at M = 192-512 and
-// the blocked kernel is ahead from M = 1024 (at 4096 by ~20 %: the int16 kernel's activations no longer fit the L3).
-// NVFP4 (whose int16 decode costs ~1.4x int4's) and int4 group sizes without an int16 block take the blocked kernel
-// at every large M there (docs/cpu-kernels.md, "M crossovers").
-constexpr int64_t kBlockedInt4MinM = 256;
+// below it the int16 kernel, which decodes the codes in registers for every 8 rows, is faster (Zen 5, 1 thread: by
+// 1-2 % at M = 96, where the blocked kernel's panel decode is not yet spread over enough rows); the two are even at
+// M = 112-128 and the blocked kernel is ahead from M = 160 (by 2-5 % at 192-256, ~20 % at 4096, where the int16
+// kernel's activations no longer fit the L3). NVFP4 (whose int16 decode costs ~1.4x int4's) and int4 group sizes
+// without an int16 block take the blocked kernel at every large M there (docs/cpu-kernels.md, "M crossovers").
+constexpr int64_t kBlockedInt4MinM = 128;
 
 // bf16 x above the small-M kernels where AMX does not take it.
 inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {

@@ -251,21 +251,58 @@ bool run_int16(const W4Gemm& g, const at::Tensor& x, CpuIsa isa, int64_t ag, con
   return true;
 }
 
-// The blocked kernel (bf16 x, AVX512-BF16): activations packed into row blocks, then each thread decodes its
-// panels once and runs every row block over them
+// The blocked kernel (bf16 x, AVX512-BF16), one chunk of rows at a time (w4a16_blocked_chunk): the chunk's
+// activations packed into row blocks, then its panels decoded once each and every row block run over them. Packing a
+// chunk just before its use finds it in the L3, and a packed copy never exceeds one chunk. Threads split the panels
+// of a call with one chunk; from two chunks they split the chunks (as many per thread), each packing its own, so that
+// a call has one barrier instead of two per chunk (each costs a scheduler tick when the host is busy) and the
+// decodes are as many as with one thread.
 void run_blocked(const W4Gemm& g, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), nrb = (M + kBlockedRows - 1) / kBlockedRows;
+  const int64_t nt = at::get_num_threads();
+  int64_t chunk = w4a16_blocked_chunk(M, K), nch = (nrb + chunk - 1) / chunk;
+  const bool by_chunk = nt > 1 && nch > 1;
+  if (by_chunk) {  // a multiple of the thread count of equal chunks
+    nch = (nch + nt - 1) / nt * nt;
+    chunk = (nrb + nch - 1) / nch;
+    nch = (nrb + chunk - 1) / chunk;
+  }
   W4Gemm gb = g;
   at::Tensor bf;
   if (bias) { bf = bias->to(at::kFloat).contiguous(); gb.bias = bf.data_ptr<float>(); }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  at::Tensor xp = at::empty({nrb * (K / 2) * kBlockedRows}, x.options().dtype(at::kInt));
-  uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
-  at::parallel_for(0, nrb, 1, [&](int64_t b0, int64_t b1) { w4a16_blocked_pack_x(xs, M, K, xpp, b0, b1); });
   std::vector<float> xsum;
   if (g.mode == W4_ASYM) xsum = group_sums(M, K, g.gs, [&](int64_t i) { return bf16_bits_to_f32(xs[i]); });
-  const float* xsp = xsum.empty() ? nullptr : xsum.data();
-  at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) { w4a16_blocked_avx512(gb, xpp, xsp, M, p0, p1); });
+  const int64_t crows = chunk * kBlockedRows;
+  auto packed = [&] { return at::empty({std::min(nrb, chunk) * kBlockedRows, K / 2}, x.options().dtype(at::kInt)); };
+  // chunk c (rows r0 .. r0 + rows): its row blocks [b0, b1) packed, its panels [p0, p1) run
+  auto pack = [&](int64_t c, uint32_t* xp, int64_t b0, int64_t b1) {
+    const int64_t r0 = c * crows;
+    w4a16_blocked_pack_x(xs + r0 * K, std::min(crows, M - r0), K, xp, b0, b1);
+  };
+  auto run = [&](int64_t c, const uint32_t* xp, int64_t p0, int64_t p1) {
+    const int64_t r0 = c * crows;
+    W4Gemm gc = gb;
+    gc.out = static_cast<uint16_t*>(g.out) + r0 * g.ldo;  // bf16 y (the path takes bf16 x only)
+    w4a16_blocked_avx512(gc, xp, xsum.empty() ? nullptr : xsum.data() + r0 * g.G, std::min(crows, M - r0), p0, p1);
+  };
+  if (by_chunk) {
+    at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+      at::Tensor xp = packed();
+      uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
+      for (int64_t c = c0; c < c1; ++c) {
+        pack(c, xpp, 0, std::min(chunk, nrb - c * chunk));
+        run(c, xpp, 0, g.P);
+      }
+    });
+    return;
+  }
+  at::Tensor xp = packed();
+  uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
+  for (int64_t c = 0; c < nch; ++c) {
+    at::parallel_for(0, std::min(chunk, nrb - c * chunk), 1, [&](int64_t b0, int64_t b1) { pack(c, xpp, b0, b1); });
+    at::parallel_for(0, g.P, 1, [&](int64_t p0, int64_t p1) { run(c, xpp, p0, p1); });
+  }
 }
 
 // AMX-BF16 tiles (bf16 x, K % 32 == 0)

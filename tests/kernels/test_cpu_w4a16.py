@@ -516,10 +516,11 @@ BLOCKED = "avx512" in ISAS and re.search(r"cpu: .*\bavx512_bf16\b", ops.cpu_w4a1
     ("gptq", True, False, 72, 640, 128),           # 3 panels, the last one partial
     ("gptq", False, True, 40, 520, 40),            # act order, asymmetric, K % 32 != 0, groups of 20 k-pairs
     ("awq", False, False, 64, 256, 32),
-    ("ct_pack", True, False, 96, 8200, -1),        # channel-wise; K = 8200: 2 row chunks from M = 516
+    ("ct_pack", True, False, 96, 8200, -1),        # channel-wise; K = 8200: 2 row chunks from M = 505
+    ("gptq", False, False, 40, 8320, 128),         # asymmetric (the rows' group sums) over 2 row chunks
     ("ct_pack", True, False, 32, 360, 18),         # a group size without an int16 block
     ("ct_nvfp4", True, False, 72, 80, 16),         # an odd number of 16-k blocks
-    ("modelopt_nvfp4", True, False, 200, 8192, 16),  # 2 row chunks from M = 516
+    ("modelopt_nvfp4", True, False, 200, 8192, 16),  # 2 row chunks from M = 505
 ])
 def test_blocked_path(layout, sym, ao, n, k, gs):
     """path 5 (the blocked kernel: each panel decoded once to bf16, 12-row vdpbf16ps blocks over it) against the
@@ -592,7 +593,7 @@ def _path_at(segs, M):
 PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4, "blocked": 5}
 
 
-BLOCKED_INT4_MIN_M = 256  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
+BLOCKED_INT4_MIN_M = 128  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
 
 
 @pytest.mark.parametrize("isa", ISAS)
