@@ -529,7 +529,7 @@ void fused_i16_nvfp4_vbmi(const W4Gemm& g, const int16_t* xq, const float* xs, c
 // mt * 2^(ee - 10) with the integer mantissa mt (8..15, or 0..7 for the denormals, ee = 1), and the doubled e2m1 value
 // 2w is an integer up to 12. So with eref = (largest ee of the column over the nb blocks) - kNvFoldD each weight is
 // exactly (2w) * (mt << (ee - eref)) * 2^(eref - 11): an int16 (|.| <= 12 * 15 * 2^kNvFoldD = 2880), the doubled
-// e2m1 value times a multiplier of at most 240 (one vpmullw, or vpmaddubsw, per 32 codes), and one column scale
+// e2m1 value times a multiplier of at most 240 (one vpmaddubsw per 32 codes), and one column scale
 // 2^(eref - 11) per activation block. A block whose ee lies more than kNvFoldD
 // below the largest would lose bits: when any of the 32 columns has such a pair of nonzero blocks, that activation
 // block of the panel flushes once per 16-k block instead (multiplier mt, scale 2^(ee - 11)), the same arithmetic as
@@ -777,7 +777,7 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
   int16_t* w = wbuf.get(static_cast<size_t>(pairs) * 2 * W4_NP);
   NvFold f;
   static const NvFolder fold;
-  const ByteLutDecode decode;
+  const __m512i lut = ByteLutDecode().lut;  // the doubled e2m1 values in every 16-byte lane (vpshufb)
   for (int64_t p = p0; p < p1; ++p)
   for (int64_t c0 = 0; c0 < M0; c0 += kNvRowChunk) {
     const int64_t M = std::min(kNvRowChunk, M0 - c0);
@@ -794,20 +794,17 @@ void fused_i16_nvfp4_folded_vbmi(const W4Gemm& g, const int16_t* xq0, const floa
       // (Zen 5, 1 thread, against decoding into the buffer first: 10-14 % faster at M = 8, 7-11 % at M = 9-16, 5-10 %
       // at M = 24-32)
       if (M >= 8) {
-        if (M == 8) rows8_nvfp4_codes<false>(qb, f, nb, decode.lut, xq + blk * L, K, xs + blk, nab, o, w);
-        else rows8_nvfp4_codes<true>(qb, f, nb, decode.lut, xq + blk * L, K, xs + blk, nab, o, w);
-      } else {
+        if (M == 8) rows8_nvfp4_codes<false>(qb, f, nb, lut, xq + blk * L, K, xs + blk, nab, o, w);
+        else rows8_nvfp4_codes<true>(qb, f, nb, lut, xq + blk * L, K, xs + blk, nab, o, w);
+      } else {  // a chunk of 1-7 rows: the block decoded into the buffer first
         for (int b = 0; b < nb; ++b) {
           const __m512i ml = _mm512_load_si512(f.mult[b][0]), mh = _mm512_load_si512(f.mult[b][1]);
           for (int j = 8 * b; j < 8 * b + 8; j += 2) {
             _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(qb + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
-            __m512i wl[2], wh[2];
-            decode(qb + j * W4_NP, wl, wh);
-            for (int u = 0; u < 2; ++u) {
-              _mm512_store_si512(w + (j + u) * 2 * W4_NP, _mm512_mullo_epi16(wl[u], ml));
-              _mm512_store_si512(w + (j + u) * 2 * W4_NP + 32, _mm512_mullo_epi16(wh[u], mh));
-            }
+            __m512i wv[4];
+            nv_fold_decode(qb + j * W4_NP, lut, ml, mh, wv);
+            for (int i = 0; i < 4; ++i) _mm512_store_si512(w + (2 * j + i) * W4_NP, wv[i]);
           }
         }
       }
