@@ -221,34 +221,30 @@ inline void prefetch_part(const void* p, int64_t n, int64_t i, int64_t parts) {
     __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
 
+// Every row block of xp (the packed rows of one chunk, w4a16_blocked_chunk: the torch glue calls once per chunk)
+// over each panel of [p0, p1), the panel decoded once.
 template <int MODE>
 void blocked_impl(const W4Gemm& g, const uint32_t* xp, const float* xsum, int64_t M, int64_t p0, int64_t p1) {
   const int64_t K = g.K, nrb = (M + kBR - 1) / kBR;
   thread_local AlignedBuf<uint16_t> wbuf;
   uint16_t* w = wbuf.get(static_cast<size_t>(K / 2) * 64);
-  // chunks of at most 8 MiB of activations (Zen 5, 1 thread: 4 MiB chunks 5-8 % slower at K = 11008, M = 256-1024,
-  // 2 MiB ~3 % at M = 4096; 8, 12 and 16 MiB even at M = 1024-4096)
-  const int64_t chunk = w4a16_blocked_chunk(M, K);
   const int64_t qbytes = (K / 2) * W4_NP, sbytes = g.G * W4_NP * (MODE == W4_NVFP4 ? 1 : 4);
-  for (int64_t c0 = 0; c0 < nrb; c0 += chunk) {
-    const int64_t c1 = std::min(nrb, c0 + chunk);
-    for (int64_t p = p0; p < p1; ++p) {
-      decode_panel<MODE>(g, p, w);
-      for (int64_t rb = c0; rb < c1; ++rb) {
-        // the next panel's codes and scales into L2, a part before each row block: its decode then does not wait
-        // for them (they come from memory or a busy L3; Zen 5, 1 thread: 1.5-3 % faster at M = 256-1024)
-        if (p + 1 < p1) {
-          prefetch_part(g.qpack + (p + 1) * qbytes, qbytes, rb - c0, c1 - c0);
-          prefetch_part(static_cast<const char*>(g.scales) + (p + 1) * sbytes, sbytes, rb - c0, c1 - c0);
-        }
-        const int64_t row0 = rb * kBR, rows = std::min<int64_t>(kBR, M - row0);
-        const uint32_t* xb = xp + rb * (K / 2) * kBR;
-        const float* xs = xsum ? xsum + row0 * g.G : nullptr;
-        // the last block: the fewest multiple of 4 rows that covers it (packed rows beyond M are zero)
-        if (rows > 8) row_block<12, MODE>(g, w, xb, xs, rows, row0, p);
-        else if (rows > 4) row_block<8, MODE>(g, w, xb, xs, rows, row0, p);
-        else row_block<4, MODE>(g, w, xb, xs, rows, row0, p);
+  for (int64_t p = p0; p < p1; ++p) {
+    decode_panel<MODE>(g, p, w);
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      // the next panel's codes and scales into L2, a part before each row block: its decode then does not wait
+      // for them (they come from memory or a busy L3; Zen 5, 1 thread: 1.5-3 % faster at M = 256-1024)
+      if (p + 1 < p1) {
+        prefetch_part(g.qpack + (p + 1) * qbytes, qbytes, rb, nrb);
+        prefetch_part(static_cast<const char*>(g.scales) + (p + 1) * sbytes, sbytes, rb, nrb);
       }
+      const int64_t row0 = rb * kBR, rows = std::min<int64_t>(kBR, M - row0);
+      const uint32_t* xb = xp + rb * (K / 2) * kBR;
+      const float* xs = xsum ? xsum + row0 * g.G : nullptr;
+      // the last block: the fewest multiple of 4 rows that covers it (packed rows beyond M are zero)
+      if (rows > 8) row_block<12, MODE>(g, w, xb, xs, rows, row0, p);
+      else if (rows > 4) row_block<8, MODE>(g, w, xb, xs, rows, row0, p);
+      else row_block<4, MODE>(g, w, xb, xs, rows, row0, p);
     }
   }
 }
