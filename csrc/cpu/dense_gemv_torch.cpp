@@ -25,7 +25,6 @@ at::Tensor dense_gemv_op(const at::Tensor& x, const at::Tensor& weight, const c1
   const auto dt = weight.scalar_type();
   TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && x.scalar_type() == dt, op,
               ": x and weight must both be bfloat16 or both float16, got ", x.scalar_type(), " and ", dt);
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == N, op, ": bias must be [N=", N, "], got ", bias->sizes());
   const std::string isa_s(isa_arg);

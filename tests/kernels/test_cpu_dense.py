@@ -65,6 +65,7 @@ def test_strided_rows_and_thread_count(isa):
 
 
 @pytest.mark.parametrize("args,match", [
+    (lambda: (torch.zeros(1, 1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)), r"x must be \[M, K\] and weight \[N, K\], got \[1, 1, 8\]"),
     (lambda: (torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)), r"M=5 rows; supported: 1\.\.4"),
     (lambda: (torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 9, dtype=torch.bfloat16)), r"x has K=8 columns"),
     (lambda: (torch.zeros(1, 8), torch.zeros(4, 8)), r"must both be bfloat16 or both float16, got Float"),
