@@ -6,12 +6,17 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "w4a16_launch.h"
@@ -36,6 +41,22 @@ int sm_count(int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
   if (device < 64) cached[device] = v;
   return v;
+}
+
+// The split-K tile counters of a call: zero on entry, and every launch leaves them zero (the last block of a tile
+// resets its counter), so one buffer per device and stream is zeroed once instead of by a memset kernel per call.
+// During CUDA graph capture a call takes a zeroed buffer of its own, which the graph then owns.
+at::Tensor split_counters(int64_t n, const at::Tensor& like) {
+  const auto options = like.options().dtype(at::kInt);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+    return at::zeros({n}, options);
+  static std::mutex mu;
+  // never destroyed: freeing CUDA memory during static destruction can run after the CUDA runtime has shut down
+  static auto* cache = new std::map<std::pair<int, c10::StreamId>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = (*cache)[{static_cast<int>(like.get_device()), c10::cuda::getCurrentCUDAStream().id()}];
+  if (!t.defined() || t.numel() < n) t = at::zeros({std::max<int64_t>(n, 4096)}, options);
+  return t;
 }
 
 // the fused kernel's work split for this call on ``device``
@@ -100,7 +121,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   at::Tensor ws, counters;
   if (plan.splits > 1) {
     ws = at::empty({(int64_t)plan.ws_floats}, x.options().dtype(at::kFloat));
-    counters = at::zeros({plan.counters}, x.options().dtype(at::kInt));
+    counters = split_counters(plan.counters, x);
   }
   GemmArgs a{};
   a.x = x.data_ptr();

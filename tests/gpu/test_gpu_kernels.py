@@ -137,6 +137,25 @@ def test_compile_and_cuda_graph_of_the_op():
     assert torch.equal(out, kern.apply(layer, x * 2, None))
 
 
+def test_split_k_counters_are_reused_across_calls_and_streams():
+    """Split-K tile counters are zeroed once per device and stream and left zero by every launch: calls that split K,
+    back to back with different M, on the default and on a side stream, all give the first call's outputs."""
+    spec, qw = make_qweight("gptq", 4096, 4096, 128, device="cuda")
+    kern, layer = _layer(spec, qw)
+    assert cw.CudaW4A16Kernel.is_supported()[0]
+    assert torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[3] > 1  # this call splits K
+    xs = [torch.randn(m, 4096, device="cuda").to(torch.bfloat16) for m in (1, 2, 16, 1)]
+    first = [kern.apply(layer, x, None) for x in xs]
+    for _ in range(3):
+        assert all(torch.equal(kern.apply(layer, x, None), y) for x, y in zip(xs, first))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        side = [kern.apply(layer, x, None) for x in xs]
+    torch.cuda.current_stream().wait_stream(s)
+    assert all(torch.equal(a, b) for a, b in zip(side, first))
+
+
 def test_autograd_input_gradient():
     spec, qw = make_qweight("ct_pack", 128, 256, 64, device="cuda")
     kern, layer = _layer(spec, qw)
