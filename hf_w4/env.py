@@ -43,6 +43,8 @@ VARIABLES = (
     Variable("HF_W4_AMX", "C++", "0", "do not use AMX tiles (cpu_w4a16 and cpu_int8)"),
     Variable("HF_W4_AMX_FP16", "C++", "0", "cpu_w4a16 on AMX: decode NVFP4 block scales in fp32 instead of "
              "AVX512-FP16 (bit-identical results)"),
+    Variable("HF_W4_HUGE_PAGES", "C++", "0", "allocate packed weights (and checkpoint tensors copied out of their "
+             "file maps) from torch's allocator instead of 2 MiB-aligned mappings marked for transparent huge pages"),
     Variable("HF_W4_VBMI", "C++", "0", "cpu_w4a16: look NVFP4 codes up with vpermw instead of AVX512-VBMI vpermb "
              "(bit-identical results)"),
     Variable("HF_W4_LARGE_PATH", "C++", "int16 / bf16 / fp32 / blocked", "cpu_w4a16, bf16 activations at large M without "

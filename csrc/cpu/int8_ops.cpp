@@ -13,6 +13,7 @@
 #include "int8_gemm.h"
 #include "common/cpu_features.h"
 #include "common/torch_checks.h"
+#include "common/weight_alloc.h"
 
 namespace {
 using namespace hf_w4_int8;
@@ -94,9 +95,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(const at::Tensor& codes, c
                   i / g.G, ", ", i % g.G, "] = ", zp[i]);
   }
   const int64_t panel_bytes = wt == W_INT8 ? g.Kp * NR : g.Kp * NR / 2;
-  at::Tensor out = at::empty({g.P, panel_bytes}, codes.options().dtype(at::kByte));
-  at::Tensor so = at::empty({g.P, g.G, NR}, codes.options().dtype(at::kFloat));
-  at::Tensor zo = z.defined() ? at::empty({g.P, g.G, NR}, codes.options().dtype(at::kInt))
+  at::Tensor out = hf_w4::empty_weight({g.P, panel_bytes}, at::kByte);
+  at::Tensor so = hf_w4::empty_weight({g.P, g.G, NR}, at::kFloat);
+  at::Tensor zo = z.defined() ? hf_w4::empty_weight({g.P, g.G, NR}, at::kInt)
                               : at::empty({0}, codes.options().dtype(at::kInt));
   if (wt == W_INT8) {
     TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(0) == n && codes.size(1) == k,

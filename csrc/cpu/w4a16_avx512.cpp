@@ -22,6 +22,11 @@
 namespace hf_w4 {
 namespace {
 
+// The small-M int16 kernels (1-6 rows) prefetch the weight stream into L1 and, except on AMD, also far ahead into
+// L2: on Zen 5 the hardware prefetchers stream it faster without the far prefetch (M = 1, 1 thread: ~10 % in huge
+// pages), on the Xeon it helped (docs/cpu-kernels.md, "Tuning notes").
+const bool kFarPrefetch = !cpu_caps().amd;
+
 __m512 f32_lut(int mode) {
   alignas(64) float t[16];
   for (int c = 0; c < 16; ++c) t[c] = w4_code_value(mode, c);
@@ -229,7 +234,7 @@ __attribute__((always_inline)) inline void panel_rows_i16_nvwide(const W4Gemm& g
       const int16_t* xb = xq + b * ag + 16 * i;
       for (int j = 0; j < 8; j += 2) {
         _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+        if (kFarPrefetch) _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
         __m512i wl[2], wh[2];
         decode(qq + j * W4_NP, wl, wh);
         for (int u = 0; u < 2; ++u)
@@ -325,7 +330,7 @@ __attribute__((always_inline)) inline void panel_rows_i16(const W4Gemm& g, const
     } else
     for (int64_t j = 0; j < pairs; j += 2) {  // pairs is even: one 64-byte line per iteration
       _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
+      if (kFarPrefetch) _mm_prefetch(reinterpret_cast<const char*>(qq + j * W4_NP + kW4PrefetchFarBytes), _MM_HINT_T1);
       __m512i wl[2], wh[2];
       decode(qq + j * W4_NP, wl, wh);
 #pragma GCC unroll 2

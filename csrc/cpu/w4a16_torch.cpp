@@ -20,6 +20,7 @@
 #include "common/convert.h"
 #include "common/cpu_features.h"
 #include "common/torch_checks.h"
+#include "common/weight_alloc.h"
 #include "w4a16.h"
 #include "w4a16_common.h"
 #include "w4a16_path.h"
@@ -93,9 +94,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack(
     pm = checked_perm(*perm, k, "cpu_w4a16_repack");
     r.perm = pm.data_ptr<int64_t>();
   }
-  auto qpack = at::empty({P, k / 2, W4_NP}, codes.options().dtype(at::kByte));
-  auto oscales = at::empty({P, G, W4_NP}, codes.options().dtype(nvfp4 ? at::kByte : at::kFloat));
-  auto ozs = at::empty({mode == W4_ASYM ? P : 0, G, W4_NP}, codes.options().dtype(at::kFloat));
+  auto qpack = empty_weight({P, k / 2, W4_NP}, at::kByte);
+  auto oscales = empty_weight({P, G, W4_NP}, nvfp4 ? at::kByte : at::kFloat);
+  auto ozs = empty_weight({mode == W4_ASYM ? P : 0, G, W4_NP}, at::kFloat);
   r.qpack = qpack.data_ptr<uint8_t>();
   r.out_scales = oscales.data_ptr();
   r.out_zs = mode == W4_ASYM ? ozs.data_ptr<float>() : nullptr;
@@ -520,6 +521,7 @@ TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
+  m.impl("cpu_empty_weight", [](at::IntArrayRef size, at::ScalarType dtype) { return hf_w4::empty_weight(size, dtype); });
   m.impl("cpu_w4a16_info", &hf_w4::info);
   m.impl("cpu_w4a16_path", &hf_w4::path_op);
 }

@@ -21,6 +21,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import ops
+
 
 def _maps(paths: Iterable[str]) -> List[Tuple[int, int, int, str]]:
     """(start, end, file offset, path) of this process's mappings of ``paths``."""
@@ -76,7 +78,7 @@ class CheckpointMaps:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            buf = torch.empty(s.nbytes(), dtype=torch.uint8)
+            buf = ops.empty_weight((s.nbytes(),), torch.uint8)  # (huge pages: a dense LM head streams faster)
             view, done = memoryview(buf.numpy()), 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], offset + done)

@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import ops
 from ..kernels.cpu_w4a16 import CpuW4A16Kernel
 from ..nn import QuantLinear
 
@@ -117,7 +118,7 @@ def _stacked(mods: List[QuantLinear]) -> Tuple[torch.Tensor, ...]:
         base = views[0]._base
         if not (base is not None and base.shape == (len(mods),) + tuple(views[0].shape) and all(
                 v._base is base and v.data_ptr() == base[i].data_ptr() for i, v in enumerate(views))):
-            base = torch.empty((len(mods),) + tuple(views[0].shape), dtype=views[0].dtype, device=views[0].device)
+            base = ops.empty_weight((len(mods),) + tuple(views[0].shape), views[0].dtype, views[0].device)
             del views
             for i, m in enumerate(mods):
                 base[i].copy_(m._buffers[b])
