@@ -74,3 +74,26 @@ def test_switched_off_by_the_environment():
     env = dict(os.environ, HF_W4_HUGE_PAGES="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) != 0, "torch's allocator: 64-byte, not 2 MiB, alignment"
+
+
+@needs_thp
+def test_huge_page_tensors_behave_as_ordinary_ones(tmp_path):
+    """A layer's repacked buffers in huge pages: the checkpoint's codes come back from them (save_pretrained's path),
+    and deepcopy, torch.save / load and share_memory_ work on them."""
+    import copy
+    from qweight_cases import make_qweight
+    from hf_w4 import layouts
+    from hf_w4.kernels.cpu_w4a16 import CpuW4A16Kernel
+    spec, qw = make_qweight("gptq", 4096, 1024, 128)
+    kern = CpuW4A16Kernel(spec, qw.n, qw.k)
+    layer = torch.nn.Module()
+    kern.prepare(layer, qw)
+    q = layer.w4a16_qpack
+    assert q.data_ptr() % HUGE == 0
+    assert torch.equal(kern.unpack_codes(layer), layouts.unpack_codes(qw).to(torch.uint8))
+    assert torch.equal(copy.deepcopy(q), q)
+    torch.save(layer.state_dict(keep_vars=True) | {"q": q}, tmp_path / "q.pt")
+    assert torch.equal(torch.load(tmp_path / "q.pt")["q"], q)
+    ref = q.clone()
+    q.share_memory_()
+    assert q.is_shared() and torch.equal(q, ref)
