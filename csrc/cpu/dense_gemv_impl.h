@@ -3,6 +3,7 @@
 // values -> two fp32 vectors, exact; any split of the values into the two, as long as x and w are split alike), fma,
 // sum.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "common/convert.h"
@@ -28,20 +29,14 @@ inline void dense_rows(const DenseGemv& g, int64_t n) {
   const int64_t K = g.K, kv = K - K % V::W;
   const uint16_t* w = g.w + n * g.ldw;
   // the R rows are read as R interleaved streams, too many for the hardware prefetcher to run far enough ahead of
-  // at one core's bandwidth. Software prefetches keep ~kDensePrefetch bytes in flight: short blocks (all R rows
-  // within that distance) walk the weights linearly ahead, R x V::W x 2 bytes per step (what a step reads), into
-  // the next blocks; longer ones prefetch each row kDensePrefetch / R bytes ahead of where it is read.
-  const bool linear = R * K * 2 <= kDensePrefetch;
-  const char* pf = reinterpret_cast<const char*>(w) + (linear ? kDensePrefetch : kDensePrefetch / R);
+  // at one core's bandwidth. So software prefetches walk the weights linearly, R x V::W x 2 bytes per step (what a
+  // step reads), one block of R rows ahead (at least kDensePrefetch bytes): over a block's steps they request the
+  // next block whole, row after row. (Prefetching each row of this block a fixed distance ahead instead was 15-25 %
+  // slower at K = 4096 on Zen 5: docs/cpu-kernels.md, "Dense layers at decode".)
+  const char* pf = reinterpret_cast<const char*>(w) + std::max<int64_t>(kDensePrefetch, R * g.ldw * 2);
   for (int64_t k = 0; k < kv; k += V::W) {
-    if (linear) {
-      for (int r = 0; r < R * V::W * 2; r += 64) __builtin_prefetch(pf + r, 0, 3);
-      pf += R * V::W * 2;
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < V::W * 2; b += 64) __builtin_prefetch(pf + r * g.ldw * 2 + b, 0, 3);
-      pf += V::W * 2;
-    }
+    for (int r = 0; r < R * V::W * 2; r += 64) __builtin_prefetch(pf + r, 0, 3);
+    pf += R * V::W * 2;
     typename V::F xv[M][2];
     for (int m = 0; m < M; ++m) V::template widen<BF16>(g.x + m * K + k, xv[m]);
     for (int r = 0; r < R; ++r) {
