@@ -16,7 +16,8 @@ namespace hf_w4 {
 
 // How far ahead (bytes of the packed panel stream) the small-M kernels prefetch the weights into L1, and the int16
 // kernels also into L2: a stream needs many lines in flight to reach DRAM speed (docs/cpu-kernels.md, "Tuning notes").
-// The AVX2 kernels prefetch only the near distance: the far one made them slower.
+// The AVX2 kernels, and the AVX-512 ones of 1-6 rows on AMD, prefetch only the near distance: the far one made them
+// slower.
 constexpr int64_t kW4PrefetchBytes = 8192;
 constexpr int64_t kW4PrefetchFarBytes = 32768;
 
