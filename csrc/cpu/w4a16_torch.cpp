@@ -521,7 +521,8 @@ TORCH_LIBRARY_IMPL(hf_w4, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(hf_w4, CatchAll, m) {
-  m.impl("cpu_empty_weight", [](at::IntArrayRef size, at::ScalarType dtype) { return hf_w4::empty_weight(size, dtype); });
+  m.impl("cpu_empty_weight",
+         [](at::IntArrayRef size, at::ScalarType dtype) { return hf_w4::empty_weight(size, dtype); });
   m.impl("cpu_w4a16_info", &hf_w4::info);
   m.impl("cpu_w4a16_path", &hf_w4::path_op);
 }

@@ -62,7 +62,7 @@ def test_repack_outputs_and_small_buffers():
     _, qw = make_qweight("gptq", 4096, 1024, 128)      # 2 MiB of packed codes
     q, s, z = ops.cpu_w4a16_repack(qw, None)
     assert q.data_ptr() % HUGE == 0 and "hg" in _mapping_of(q.data_ptr())["VmFlags"]
-    assert s.data_ptr() % HUGE != 0 or s.numel() * 4 >= HUGE          # 128 KiB of scales: torch's allocator
+    assert s.numel() * s.element_size() < HUGE and s.data_ptr() % HUGE != 0   # 128 KiB of scales: torch's allocator
     small = ops.empty_weight((3, 5), torch.float16)
     assert small.shape == (3, 5) and small.dtype == torch.float16
     assert ops.empty_weight((0, 4), torch.int32).shape == (0, 4)

@@ -57,7 +57,7 @@ inline at::Tensor empty_weight(at::IntArrayRef sizes, at::ScalarType dtype) {
       const uintptr_t r = reinterpret_cast<uintptr_t>(raw);
       const uintptr_t start = (r + kHugePage - 1) & ~(uintptr_t(kHugePage) - 1);
       if (start > r) munmap(raw, start - r);
-      if (r + len + kHugePage > start + len) munmap(reinterpret_cast<void*>(start + len), r + kHugePage - start);
+      munmap(reinterpret_cast<void*>(start + len), r + kHugePage - start);  // start < r + kHugePage: never empty
       void* p = reinterpret_cast<void*>(start);
       madvise(p, len, MADV_HUGEPAGE);  // only a hint: without it the mapping still works, in 4 KiB pages
       return at::from_blob(p, sizes, [len](void* q) { munmap(q, len); }, options);
