@@ -21,6 +21,9 @@ struct DevF16 {
   static constexpr bool kBF16 = false;
   __device__ static __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) { return bits(__hsub2(as_h2(a), as_h2(b))); }
   __device__ static __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return bits(__hmul2(as_h2(a), as_h2(b))); }
+  __device__ static __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    return bits(__hfma2(as_h2(a), as_h2(b), as_h2(c)));
+  }
   __device__ static __forceinline__ uint32_t from_f16x2(uint32_t v) { return v; }
   __device__ static __forceinline__ uint32_t from_float2(float2 v) { return bits(__float22half2_rn(v)); }
   __device__ static __forceinline__ float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
@@ -53,6 +56,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
 }
+// the same copy, or 16 zero bytes (nothing read) where !full
+__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool full) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -81,31 +89,26 @@ struct WTile {
   uint2 z;  // asymmetric int4: 8 zero-point bytes
 };
 
-__device__ __forceinline__ const int32_t* wtile_ptr(const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
-  return a.qpack + (((size_t)kt * ntiles + nt) * 32 + lane) * 4;
-}
+// group (scale row) of k16 step kt: a shift where the group is a power-of-two number of steps
+__device__ __forceinline__ int step_group(int kt, int gsteps, int gshift) { return gshift >= 0 ? kt >> gshift : kt / gsteps; }
 
-// scales and zero points of a tile (r.w untouched)
+// the dequantize kernel's direct loads of a tile
 template <int KIND>
-__device__ __forceinline__ void load_scales(WTile& r, const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
-  const int g = lane >> 2;
+__device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, int lane) {
+  const int ksteps = a.k / 16, g = lane >> 2;
+  WTile r;
+  r.w = ld_stream(a.qpack + tile_word(kt, nt, ksteps) + lane * 4);
   r.z = make_uint2(0u, 0u);
   if constexpr (KIND == kNvfp4) {
     const uint2 s8 = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.scales) +
-                                                          ((size_t)kt * ntiles + nt) * 64 + g * 8));
+                                                          group_row(kt, nt, ksteps) + g * 8));
     r.s = make_uint4(s8.x, s8.y, 0u, 0u);
   } else {
-    const size_t off = ((size_t)(kt * 16 / a.group_size) * ntiles + nt) * 64 + g * 8;
+    const int groups = a.k / a.group_size;
+    const int64_t off = group_row(kt * 16 / a.group_size, nt, groups) + g * 8;
     r.s = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.scales) + off));
     if constexpr (KIND == kInt4Asym) r.z = __ldg(reinterpret_cast<const uint2*>(a.zeros + off));
   }
-}
-
-template <int KIND>
-__device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, int ntiles, int lane) {
-  WTile r;
-  r.w = ld_stream(wtile_ptr(a, kt, nt, ntiles, lane));
-  load_scales<KIND>(r, a, kt, nt, ntiles, lane);
   return r;
 }
 
@@ -124,60 +127,140 @@ __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b
   } else {
     const uint32_t sv[4] = {t.s.x, t.s.y, t.s.z, t.s.w};
     const uint32_t s2 = broadcast16(sv[sub >> 1], sub & 1);
-    uint32_t z2 = int4_zero_bits(8u, Out::kBF16);
-    if constexpr (KIND == kInt4Asym) z2 = int4_zero_pair(sub < 4 ? t.z.x : t.z.y, sub & 3, Out::kBF16);
-    b0 = int4_dequant<Out>(word, 2 * p, z2, s2);
-    b1 = int4_dequant<Out>(word, 2 * p + 1, z2, s2);
+    if constexpr (KIND == kInt4Asym) {
+      const uint32_t z2 = int4_zero_pair(sub < 4 ? t.z.x : t.z.y, sub & 3, Out::kBF16);
+      b0 = int4_dequant<Out>(word, 2 * p, z2, s2);
+      b1 = int4_dequant<Out>(word, 2 * p + 1, z2, s2);
+    } else {
+      b0 = int4_sym_dequant<Out>(word, 2 * p, s2);
+      b1 = int4_sym_dequant<Out>(word, 2 * p + 1, s2);
+    }
   }
 }
 
-template <int MT>
-struct Stage {
-  WTile wt;           // scales / zero points (the weights come from the shared-memory ring)
-  uint32_t a[MT][4];  // A fragments of the MT m16 tiles
+// Everything one warp needs for one chunk of kChunk k16 steps, in shared memory, as 16-byte pieces (one cp.async
+// each): its weights (16 bytes per lane and step), the activations of the block's rows (row r of m16 tile mt: 32 k
+// in x[mt][r][0..3]; the fifth piece pads rows to 80 bytes, so the fragment reads of a warp hit 32 distinct banks)
+// and the tile's scale rows (int4: 64 scales per step, then 64 zero-point bytes per step if asymmetric; nvfp4: 64
+// E4M3 bytes per step).
+template <int KIND>
+constexpr int scale_pieces() { return KIND == kNvfp4 ? 4 * kChunk : (KIND == kInt4Asym ? 12 * kChunk : 8 * kChunk); }
+
+// MR: the rows of each m16 tile that are staged (8 where M <= 8: rows 8..15 of the only tile read as zero anyway,
+// and the smaller slots let more blocks reside)
+template <int MT, int MR, int KIND>
+struct ChunkSlot {
+  static_assert(scale_pieces<KIND>() <= 32, "one scale piece per lane");
+  uint4 w[kChunk][32];
+  uint4 x[MT][MR][5];
+  uint4 s[scale_pieces<KIND>()];
 };
 
-// A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..);
-// rows past M read as zero
+
+// Per-lane sources of a chunk's copies, advanced by one chunk of the warp (4 kChunk k16 steps) per slot
 template <int MT, int KIND>
-__device__ __forceinline__ void load_stage(Stage<MT>& st, const GemmArgs& a, int kt, int nt, int ntiles, int m0,
-                                           int lane) {
-  load_scales<KIND>(st.wt, a, kt, nt, ntiles, lane);
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const int col = kt * 16 + 2 * (lane & 3);
+struct ChunkSource {
+  const int32_t* w;   // lane's 16 bytes of step kt
+  const uint16_t* x;  // row (lane >> 1) of each m16 tile, k16 step kt + (lane & 1)
+  int xrows;          // tiles whose row (lane >> 1) exists
+  const uint8_t* s;   // scale / zero-point piece of this lane at group 0 (int4) or at step kt (nvfp4)
+  int sstep;          // the chunk step (0 .. kChunk - 1) whose scale piece this lane copies; -1: none
+};
+
+template <int MT, int KIND>
+__device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a, int kt, int nt, int m0, int lane) {
+  const int ksteps = a.k / 16;
+  ChunkSource<MT, KIND> c;
+  c.w = a.qpack + tile_word(kt, nt, ksteps) + lane * 4;
+  c.x = static_cast<const uint16_t*>(a.x) + (size_t)(m0 + (lane >> 1)) * a.k + (kt + (lane & 1)) * 16;
+  c.xrows = 0;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r0 = m0 + mt * 16 + (lane >> 2), r1 = r0 + 8;
-    const uint32_t* p0 = reinterpret_cast<const uint32_t*>(x + (size_t)r0 * a.k + col);
-    const uint32_t* p1 = reinterpret_cast<const uint32_t*>(x + (size_t)r1 * a.k + col);
-    st.a[mt][0] = r0 < a.m ? __ldg(p0) : 0u;
-    st.a[mt][1] = r1 < a.m ? __ldg(p1) : 0u;
-    st.a[mt][2] = r0 < a.m ? __ldg(p0 + 4) : 0u;
-    st.a[mt][3] = r1 < a.m ? __ldg(p1 + 4) : 0u;
+  for (int mt = 0; mt < MT; ++mt) c.xrows += m0 + mt * 16 + (lane >> 1) < a.m;
+  c.sstep = -1;
+  c.s = nullptr;
+  if (lane < scale_pieces<KIND>()) {
+    if constexpr (KIND == kNvfp4) {  // lanes 4 i .. 4 i + 3: step i's 64 bytes
+      c.sstep = lane >> 2;
+      c.s = static_cast<const uint8_t*>(a.scales) + group_row(kt + c.sstep, nt, ksteps) + (lane & 3) * 16;
+    } else if (lane < 8 * kChunk) {  // lanes 8 i .. 8 i + 7: step i's 64 scales (128 bytes)
+      c.sstep = lane >> 3;
+      c.s = reinterpret_cast<const uint8_t*>(static_cast<const uint16_t*>(a.scales) +
+                                             group_row(0, nt, a.k / a.group_size)) + (lane & 7) * 16;
+    } else {  // asymmetric: lanes 8 kChunk + 4 i ..: step i's 64 zero-point bytes
+      c.sstep = (lane - 8 * kChunk) >> 2;
+      c.s = a.zeros + group_row(0, nt, a.k / a.group_size) + (lane & 3) * 16;
+    }
+  }
+  return c;
+}
+
+// Issue the copies of the chunk at k16 step kt. Rows past M are not copied (their fragments read as zero). Where
+// the chunk's second step lies past ``end`` (only at the end of an odd K) its pieces are zero-filled instead: it then
+// adds 0 x (finite weights), so the main loop needs no branch.
+template <int MT, int MR, int KIND>
+__device__ __forceinline__ void copy_chunk(ChunkSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
+                                           const GemmArgs& a, int kt, int end, int lane, int gsteps) {
+  static_assert(kChunk == 2, "copy_chunk copies two k16 steps");
+  const bool two = kt + 1 < end;
+  cp_async16(&slot.w[0][lane], c.w);
+  cp_async16_or_zero(&slot.w[1][lane], two ? c.w + 128 : c.w, two);
+  const bool full = (lane & 1) == 0 || two;  // odd lanes copy step 1's activations
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    if (mt < c.xrows && (lane >> 1) < MR) {
+      const uint16_t* src = full ? c.x + (size_t)mt * 16 * a.k : static_cast<const uint16_t*>(a.x);
+      cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1)], src, full);
+      cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1) + 1], full ? src + 8 : src, full);
+    }
+  if (c.sstep >= 0) {
+    const bool in = kt + c.sstep < end;
+    const uint8_t* src = c.s;
+    if constexpr (KIND != kNvfp4) {  // the group's row: 128 bytes of scales, 64 of zero points
+      const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
+      src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
+    } else if (!in) {
+      src = static_cast<const uint8_t*>(a.scales);
+    }
+    cp_async16_or_zero(&slot.s[lane], src, in);
   }
 }
 
-// Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the k16 steps kb + w, kb + w + 4, ... of its split.
-// The weights stream through a per-lane ring of WS stages in shared memory (cp.async: many bytes in flight without
-// registers; a lane reads back only the 16 bytes it copied itself, so no barrier is needed), scales and activations
-// (L1 / L2 hits) through PF stages in registers. The warps' partial sums are added
-// in warp order in shared memory; with split-K every split stores its partial tile and the last block to arrive
-// (a per-tile counter) adds them in split order: the result does not depend on scheduling.
-template <int MT, bool BF16, int KIND>
+template <int MT, int KIND>
+__device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
+  c.w += 4 * kChunk * 128;
+  c.x += 4 * kChunk * 16;
+  if constexpr (KIND == kNvfp4) c.s += 4 * kChunk * 64;
+}
+
+// Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the chunks kb + kChunk w, kb + kChunk (w + 4), ... of
+// its split. Each warp streams its chunks through its own ring of shared-memory slots filled by cp.async (weights,
+// activations and scales alike, so nothing in the main loop waits on memory except the ring's head); a warp barrier
+// after each wait makes one lane's copies visible to the others and orders the reads of the slot computed one chunk
+// earlier before its refill. The warps' partial sums are added in warp order in shared memory (reusing the ring);
+// with split-K every split stores its partial tile and the last block to arrive (a per-tile counter) adds them in
+// split order: the result does not depend on scheduling. Dynamic shared memory: ring_bytes<MT, MR, KIND>().
+constexpr int kRingSlots = 4;  // per warp: 3 chunks in flight while one is computed
+template <int MT, int MR, int KIND>
+constexpr int ring_bytes() { return 4 * kRingSlots * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
+
+template <int MT, int MR, bool BF16, int KIND>
 __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                          const int steps_per_split) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using A = DevAct<BF16>;
+  using Slot = ChunkSlot<MT, MR, KIND>;
   constexpr int BM = 16 * MT;
-  constexpr int PF = MT == 1 ? 4 : (MT == 2 ? 3 : 2);
-  constexpr int WS = 16;  // weight stages per lane (power of 2): 32 KB of shared memory, with red at most 48 KB
-  __shared__ uint4 wring[4][WS][32];
-  __shared__ float red[BM * 64];
-  const int nt = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
+  constexpr int WS = kRingSlots;
+  static_assert(sizeof(Slot) * WS * 4 >= BM * 64 * sizeof(float), "the reduction reuses the ring");
+  extern __shared__ uint4 smem[];
+  // the m-blocks of a tile are neighbours in the launch order, so they run together and share its weights in L2
+  const int mb = blockIdx.x, nt = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
   const int m0 = mb * BM;
-  int first;
-  const int nsteps = warp_steps(a.k / 16, steps_per_split, split, warp, &first);
+  const int gsteps = a.group_size >> 4;
+  int first, end;
+  const int nchunks = warp_chunks(a.k / 16, steps_per_split, split, warp, &first, &end);
 
   float acc[MT][8][4];
 #pragma unroll
@@ -187,46 +270,72 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
 
-  // weight ring: commit group i holds step i (empty past nsteps); step s is in slot s % WS
-  uint4(&wr)[WS][32] = wring[warp];
+  // commit group i holds chunk i (empty past nchunks); chunk c is in slot c % WS
+  Slot* wr = reinterpret_cast<Slot*>(smem) + warp * WS;
+  ChunkSource<MT, KIND> src = chunk_source<MT, KIND>(a, first, nt, m0, lane);
 #pragma unroll
   for (int p = 0; p < WS - 1; ++p) {
-    if (p < nsteps) cp_async16(&wr[p][lane], wtile_ptr(a, first + 4 * p, nt, ntiles, lane));
+    if (p < nchunks) copy_chunk(wr[p], src, a, first + 4 * kChunk * p, end, lane, gsteps);
+    advance(src);
     cp_async_commit();
   }
-  Stage<MT> ring[PF];
+  // which of this lane's A fragment rows exist (g and g + 8 of each m16 tile)
+  bool row_lo[MT], row_hi[MT];
 #pragma unroll
-  for (int p = 0; p < PF; ++p)
-    if (p < nsteps) load_stage<MT, KIND>(ring[p], a, first + 4 * p, nt, ntiles, m0, lane);
-  for (int base = 0; base < nsteps; base += PF) {
+  for (int mt = 0; mt < MT; ++mt) {
+    row_lo[mt] = m0 + mt * 16 + g < a.m;
+    row_hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < a.m;
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
+    cp_async_wait<WS - 2>();
+    __syncwarp();
+    // refill the slot computed at chunk c - 1 with chunk c + WS - 1 (the barrier above ordered its reads first)
+    const int kt = first + 4 * kChunk * c;
+    if (c + WS - 1 < nchunks)
+      copy_chunk(wr[(c + WS - 1) % WS], src, a, kt + 4 * kChunk * (WS - 1), end, lane, gsteps);
+    advance(src);
+    cp_async_commit();
+    const Slot& cur = wr[c % WS];
 #pragma unroll
-    for (int p = 0; p < PF; ++p) {
-      const int s = base + p;
-      if (s < nsteps) {
-        // WS - 1 + s groups committed; all but the newest WS - 2 done means groups 0..s are
-        cp_async_wait<WS - 2>();
-        Stage<MT> cur = ring[p];
-        cur.wt.w = wr[s & (WS - 1)][lane];
-        // refill the slot read at step s - 1 (already consumed by this lane) with step s + WS - 1
-        const int nx = s + WS - 1;
-        if (nx < nsteps) cp_async16(&wr[nx & (WS - 1)][lane], wtile_ptr(a, first + 4 * nx, nt, ntiles, lane));
-        cp_async_commit();
-        if (s + PF < nsteps) load_stage<MT, KIND>(ring[p], a, first + 4 * (s + PF), nt, ntiles, m0, lane);
+    for (int i = 0; i < kChunk; ++i) {
+      WTile wt;
+      wt.w = cur.w[i][lane];
+      if constexpr (KIND == kNvfp4) {
+        const uint2 s8 = reinterpret_cast<const uint2*>(cur.s + 4 * i)[g];
+        wt.s = make_uint4(s8.x, s8.y, 0u, 0u);
+        wt.z = make_uint2(0u, 0u);
+      } else {
+        wt.s = cur.s[8 * i + g];
+        wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(cur.s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
+      }
+      // A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+      uint32_t af[MT][4];
 #pragma unroll
-        for (int sub = 0; sub < 8; ++sub) {
-          uint32_t b0, b1;
-          dequant_sub<A, KIND>(cur.wt, sub, b0, b1);
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint32_t* lo = reinterpret_cast<const uint32_t*>(cur.x[mt][g]) + 8 * i + t;
+        const uint32_t* hi = reinterpret_cast<const uint32_t*>(cur.x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
+        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
+        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
+        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
+        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+      }
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], cur.a[mt], b0, b1);
-        }
+      for (int sub = 0; sub < 8; ++sub) {
+        uint32_t b0, b1;
+        dequant_sub<A, KIND>(wt, sub, b0, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
       }
     }
   }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
 
   // Only the block's rows below M are reduced, stored and read back (M = 1 touches 64 of the BM x 64 values).
   // accumulator c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols)
+  float* red = reinterpret_cast<float*>(smem);
   const int rows = a.m - m0 < BM ? a.m - m0 : BM, nvals = rows * 64;
-  const int g = lane >> 2, t = lane & 3;
   for (int w = 0; w < 4; ++w) {
     if (warp == w) {
 #pragma unroll
@@ -294,7 +403,7 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
   const int nsteps = a.k / 16 - kt0 < kDqSteps ? a.k / 16 - kt0 : kDqSteps;
   if (warp < nsteps) {
     const int kt = kt0 + warp;
-    const WTile t = load_wtile<KIND>(a, kt, nt, ntiles, lane);
+    const WTile t = load_wtile<KIND>(a, kt, nt, lane);
 #pragma unroll
     for (int sub = 0; sub < 8; ++sub) {
       uint32_t b[2];
@@ -324,44 +433,55 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
 #endif
 }
 
-template <int MT, bool BF16, int KIND>
+template <int MT, int MR, bool BF16, int KIND>
 void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  const dim3 grid(p.ntiles, p.splits, p.mblocks);
-  w4a16_gemm_kernel<MT, BF16, KIND><<<grid, 128, 0, stream>>>(a, p.ntiles, p.splits, p.steps_per_split);
+  const dim3 grid(p.mblocks, p.ntiles, p.splits);
+  w4a16_gemm_kernel<MT, MR, BF16, KIND><<<grid, 128, ring_bytes<MT, MR, KIND>(), stream>>>(a, p.ntiles, p.splits,
+                                                                                          p.steps_per_split);
 }
 
-template <int MT, bool BF16, int KIND>
+template <int MT, int MR, bool BF16, int KIND>
 int blocks_per_sm() {
-  // Prefer shared memory over L1 (the weight ring), so that the occupancy the split-K plan assumes is the one the
-  // launches get; only a hint, so a failure is not an error.
-  if (cudaFuncSetAttribute(w4a16_gemm_kernel<MT, BF16, KIND>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+  // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
+  // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
+  // hint, so a failure is not an error.
+  const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes<MT, MR, KIND>()) !=
+      cudaSuccess)
+    (void)cudaGetLastError();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+      cudaSuccess)
     (void)cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_gemm_kernel<MT, BF16, KIND>, 128, 0) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128, ring_bytes<MT, MR, KIND>()) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; plan with one block per SM
     n = 1;
   }
   return n > 0 ? n : 1;
 }
 
+// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16)
+int tiling(int mt, int mr) { return mt == 2 ? 2 : (mr == 8 ? 0 : 1); }
+
 template <bool BF16, int KIND>
-int blocks_per_sm_mt(int mt) {
-  return mt == 1 ? blocks_per_sm<1, BF16, KIND>() : (mt == 2 ? blocks_per_sm<2, BF16, KIND>() : blocks_per_sm<4, BF16, KIND>());
+int blocks_per_sm_tiling(int t) {
+  return t == 0 ? blocks_per_sm<1, 8, BF16, KIND>() : (t == 1 ? blocks_per_sm<1, 16, BF16, KIND>()
+                                                              : blocks_per_sm<2, 16, BF16, KIND>());
 }
 
 template <bool BF16, int KIND>
-void launch_gemm_mt(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (p.mt == 1) launch_gemm<1, BF16, KIND>(a, p, stream);
-  else if (p.mt == 2) launch_gemm<2, BF16, KIND>(a, p, stream);
-  else launch_gemm<4, BF16, KIND>(a, p, stream);
+void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  const int t = tiling(p.mt, p.mr);
+  if (t == 0) launch_gemm<1, 8, BF16, KIND>(a, p, stream);
+  else if (t == 1) launch_gemm<1, 16, BF16, KIND>(a, p, stream);
+  else launch_gemm<2, 16, BF16, KIND>(a, p, stream);
 }
 
 template <bool BF16>
 void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (a.kind == kNvfp4) launch_gemm_mt<BF16, kNvfp4>(a, p, stream);
-  else if (a.kind == kInt4Asym) launch_gemm_mt<BF16, kInt4Asym>(a, p, stream);
-  else launch_gemm_mt<BF16, kInt4Sym>(a, p, stream);
+  if (a.kind == kNvfp4) launch_gemm_tiling<BF16, kNvfp4>(a, p, stream);
+  else if (a.kind == kInt4Asym) launch_gemm_tiling<BF16, kInt4Asym>(a, p, stream);
+  else launch_gemm_tiling<BF16, kInt4Sym>(a, p, stream);
 }
 
 template <bool BF16>
@@ -375,23 +495,26 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
 
 }  // namespace
 
-int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind) {
-  static int cache[16][3][2][3] = {};  // device, mt 1/2/4, bf16, kind
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind) {
+  static int cache[16][3][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
-  const int mi = mt == 1 ? 0 : (mt == 2 ? 1 : 2), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
-  int& c = cache[dev][mi][bf16 ? 1 : 0][ki];
+  const int t = tiling(mt, mr), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
+  int& c = cache[dev][t][bf16 ? 1 : 0][ki];
   if (!c) {
-    if (bf16) c = kind == kNvfp4 ? blocks_per_sm_mt<true, kNvfp4>(mt)
-                                 : (kind == kInt4Asym ? blocks_per_sm_mt<true, kInt4Asym>(mt) : blocks_per_sm_mt<true, kInt4Sym>(mt));
-    else c = kind == kNvfp4 ? blocks_per_sm_mt<false, kNvfp4>(mt)
-                            : (kind == kInt4Asym ? blocks_per_sm_mt<false, kInt4Asym>(mt) : blocks_per_sm_mt<false, kInt4Sym>(mt));
+    if (bf16) c = kind == kNvfp4 ? blocks_per_sm_tiling<true, kNvfp4>(t)
+                                 : (kind == kInt4Asym ? blocks_per_sm_tiling<true, kInt4Asym>(t)
+                                                      : blocks_per_sm_tiling<true, kInt4Sym>(t));
+    else c = kind == kNvfp4 ? blocks_per_sm_tiling<false, kNvfp4>(t)
+                            : (kind == kInt4Asym ? blocks_per_sm_tiling<false, kInt4Asym>(t)
+                                                 : blocks_per_sm_tiling<false, kInt4Sym>(t));
   }
   return c;
 }
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {
   if (a.m <= 0 || a.n <= 0) return cudaSuccess;
+  (void)w4a16_gemm_blocks_per_sm(plan.mt, plan.mr, a.bf16, a.kind);  // once per device and kernel: shared memory opt-in
   if (a.bf16) launch_gemm_kind<true>(a, plan, stream);
   else launch_gemm_kind<false>(a, plan, stream);
   return cudaGetLastError();

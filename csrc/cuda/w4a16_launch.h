@@ -21,13 +21,15 @@ struct GemmArgs {
   float* workspace;      // split-K partials (plan.ws_floats)
   int* counters;         // plan.counters ints, zero on entry; the kernel leaves them zero
   int m, n, npad, k, group_size;
+  int group_shift;       // log2(group_size / 16) where that is a power of two, else -1 (the fused kernel divides)
   float global_scale;    // nvfp4 multiplier (1 for int4)
   int kind;              // WeightKind
   bool bf16;
 };
 
-// Blocks of the fused kernel for (mt, dtype, kind) resident per SM on the current device (the occupancy API, once).
-int w4a16_gemm_blocks_per_sm(int mt, bool bf16, int kind);
+// Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API,
+// once; also sets the kernel's shared memory limit).
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);

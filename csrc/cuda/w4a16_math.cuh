@@ -2,12 +2,14 @@
 // the packed weight layout and its inverse, the nibble -> fp16/bf16 bit tricks and the dequantization recipes.
 // tests/kernels/cuda_host/w4a16_host.cpp compiles this header with g++ and checks it against hf_w4.layouts.dequantize.
 //
-// Packed weight: int32 [K/16][Npad/64][32 lanes][4 words]. For k16 step kt and 64-column tile nt, lane l
-// (g = l/4, t = l%4) holds the mma.sync m16n8k16 B fragments of all eight n8 sub-tiles in one 16-byte load:
-// word j covers sub-tiles 2j and 2j+1 (column nt*64 + 8*sub + g); nibble slot s = 4h + 2p + b of word j holds
-// k = kt*16 + 2t + 8b + h of sub-tile 2j + p. So (word >> 4i) & 0x000f000f, i = 2p + b, puts the pair
-// (k, k+1) of fragment register b into the two 16-bit halves, ready for the magic-number conversion.
-// Scales / zero points: [G][Npad/64][8 g][8 sub-tiles], one 16-byte (8-byte) load per lane and group.
+// Packed weight: int32 [Npad/64][K/16][32 lanes][4 words]: each 64-column strip is contiguous along K, so a block
+// streaming one strip (or one k-range of it under split-K) reads long runs of DRAM pages. For k16 step kt and
+// 64-column tile nt, lane l (g = l/4, t = l%4) holds the mma.sync m16n8k16 B fragments of all eight n8 sub-tiles
+// in one 16-byte load: word j covers sub-tiles 2j and 2j+1 (column nt*64 + 8*sub + g); nibble slot s = 4h + 2p + b
+// of word j holds k = kt*16 + 2t + 8b + h of sub-tile 2j + p. So (word >> 4i) & 0x000f000f, i = 2p + b, puts the
+// pair (k, k+1) of fragment register b into the two 16-bit halves, ready for the magic-number conversion.
+// Scales / zero points: [Npad/64][G][8 g][8 sub-tiles] (NVFP4: G = K/16), one 16-byte (8-byte) read per lane and
+// group.
 #pragma once
 #include <cstdint>
 
@@ -33,15 +35,19 @@ struct FragPos {
   int64_t word;  // index into the int32 array
   int slot;      // nibble slot in that word
 };
-HF_W4_HD FragPos frag_pos(int n, int k, int ntiles) {
+// first int32 of lane 0's 16 bytes for (k16 step kt, tile nt); K/16 = ksteps
+HF_W4_HD int64_t tile_word(int kt, int nt, int ksteps) { return ((int64_t)nt * ksteps + kt) * 128; }
+HF_W4_HD FragPos frag_pos(int n, int k, int ksteps) {
   const int nt = n >> 6, sub = (n & 63) >> 3, g = n & 7;
   const int kt = k >> 4, r = k & 15, b = r >> 3, t = (r & 7) >> 1, h = r & 1;
   const int lane = 4 * g + t;
-  return FragPos{((int64_t)(kt * ntiles + nt) * 32 + lane) * 4 + (sub >> 1), 4 * h + 2 * (sub & 1) + b};
+  return FragPos{tile_word(kt, nt, ksteps) + lane * 4 + (sub >> 1), 4 * h + 2 * (sub & 1) + b};
 }
+// first element of the 64 values of (group, tile nt) in the scale / zero-point layout (groups = G)
+HF_W4_HD int64_t group_row(int grp, int nt, int groups) { return ((int64_t)nt * groups + grp) * 64; }
 // position of (group, column n) in the scale / zero-point layout
-HF_W4_HD int64_t group_pos(int grp, int n, int ntiles) {
-  return ((int64_t)grp * ntiles + (n >> 6)) * 64 + (n & 7) * 8 + ((n & 63) >> 3);
+HF_W4_HD int64_t group_pos(int grp, int n, int groups) {
+  return group_row(grp, n >> 6, groups) + (n & 7) * 8 + ((n & 63) >> 3);
 }
 
 // ---- bit tricks (two 16-bit lanes per uint32; the low half is the lower k)
@@ -50,10 +56,24 @@ constexpr uint32_t kBF16Magic = 0x43004300u;  // bf16x2(128, 128): 128 + v for v
 constexpr uint32_t kE2M1Rescale = 0x74007400u;  // half2(2^14, 2^14)
 constexpr uint32_t kE4M3Rescale = 0x5c00u;      // half(256)
 
+// (x & mask) | bits in one LOP3 (the device form keeps both constants in registers: a LOP3 takes one immediate)
+HF_W4_HD uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+#else
+  return (x & mask) | bits;
+#endif
+}
 // int4 codes of pair i (slots i, i+4) as (1024 + v) fp16 / (128 + v) bf16
 HF_W4_HD uint32_t int4_pair_bits(uint32_t word, int i, bool bf16) {
-  return ((word >> (4 * i)) & 0x000f000fu) | (bf16 ? kBF16Magic : kF16Magic);
+  return and_or(word >> (4 * i), 0x000f000fu, bf16 ? kBF16Magic : kF16Magic);
 }
+// fp16 only: the codes of pair i + 1 (i even) in place, without a shift: (1024 + 16 v), exact
+HF_W4_HD uint32_t int4_hi_pair_bits_f16(uint32_t word, int i) { return and_or(word >> (4 * i), 0x00f000f0u, kF16Magic); }
+constexpr uint32_t kF16Sixteenth = 0x2c002c00u;  // half2(1/16, 1/16)
+constexpr uint32_t kF16Minus72 = 0xd480d480u;    // half2(-72, -72) = -(1024 / 16 + 8)
 // zero point z (integer 0..127) as the matching (1024 + z) / (128 + z), broadcast to both halves
 HF_W4_HD uint32_t int4_zero_bits(uint32_t z, bool bf16) {
   const uint32_t b = (bf16 ? 0x4300u : 0x6400u) | z;
@@ -92,6 +112,15 @@ template <class A>
 HF_W4_HD uint32_t int4_dequant(uint32_t word, int i, uint32_t zero2, uint32_t scale2) {
   return A::mul2(A::sub2(int4_pair_bits(word, i, A::kBF16), zero2), scale2);
 }
+// symmetric int4 (zero 8): the same values. In fp16 the odd pairs skip the shift: (1024 + 16 v) / 16 - 72 = v - 8 in
+// one fused multiply-add, exact (every intermediate is a small multiple of 1/16), so the bits do not change.
+template <class A>
+HF_W4_HD uint32_t int4_sym_dequant(uint32_t word, int i, uint32_t scale2) {
+  if constexpr (!A::kBF16) {
+    if (i & 1) return A::mul2(A::fma2(int4_hi_pair_bits_f16(word, i - 1), kF16Sixteenth, kF16Minus72), scale2);
+  }
+  return int4_dequant<A>(word, i, int4_zero_bits(8u, A::kBF16), scale2);
+}
 // NVFP4 block scale byte -> fp16 pair (exact: E4M3 values are all fp16 numbers)
 template <class F16>
 HF_W4_HD uint32_t nvfp4_scale2(uint32_t b) {
@@ -107,41 +136,51 @@ HF_W4_HD uint32_t nvfp4_dequant(uint32_t word, int i, uint32_t scale2_f16) {
 
 // ---- work split (host)
 // Work split of the fused kernel: a block computes BM = 16 * mt rows x 64 columns over steps_per_split k16 steps;
-// grid (Npad/64, splits, mblocks). Where the tiles alone do not fill the GPU (``slots`` = SMs x resident blocks per
+// grid (mblocks, Npad/64, splits). Where the tiles alone do not fill the GPU (``slots`` = SMs x resident blocks per
 // SM), split-K multiplies the blocks up to at most one full wave (a partial second wave would cost a whole wave).
-HF_W4_HD int plan_mt(int m) { return m <= 16 ? 1 : (m <= 32 ? 2 : 4); }
+// The warps take chunks of kChunk consecutive k16 steps; splits start on chunk boundaries.
+constexpr int kChunk = 2;
+// m16 tiles per block: blocks of one tile (the m-blocks of a column tile share its weights in L2, registers stay
+// low) up to 32 rows, and above that too where K < 8192; tiles of two from 33 rows at K >= 8192 (measured on an H100:
+// docs/cuda-kernels.md)
+HF_W4_HD int plan_mt(int m, int k) { return m <= 32 || k < 8192 ? 1 : 2; }
+// rows of each m16 tile staged in shared memory: 8 where the one tile has at most 8 rows (smaller rings, more blocks)
+HF_W4_HD int plan_rows(int m, int mt) { return mt == 1 && m <= 8 ? 8 : 16; }
 
 struct GemmPlan {
-  int mt, bm, mblocks, ntiles, splits, steps_per_split;
+  int mt, mr, bm, mblocks, ntiles, splits, steps_per_split;
   int64_t ws_floats;
   int counters;
 };
 
-inline GemmPlan plan_gemm(int m, int npad, int k, int slots) {
+// mt: 0 = by M and K (plan_mt), else 1 or 2
+inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0) {
   GemmPlan p;
-  p.mt = plan_mt(m);
+  p.mt = mt ? mt : plan_mt(m, k);
+  p.mr = plan_rows(m, p.mt);
   p.bm = 16 * p.mt;
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;
   const int ksteps = k / 16;
   const int blocks = p.ntiles * p.mblocks;
   int s = slots / blocks;
-  const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (2 per warp) per split
+  const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (one chunk per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);
-  p.steps_per_split = (ksteps + s - 1) / s;
-  p.splits = p.steps_per_split ? (ksteps + p.steps_per_split - 1) / p.steps_per_split : 1;
-  if (p.splits < 1) p.splits = 1;
+  p.steps_per_split = ((ksteps + s - 1) / s + kChunk - 1) / kChunk * kChunk;
+  p.splits = (ksteps + p.steps_per_split - 1) / p.steps_per_split;
   p.ws_floats = p.splits > 1 ? (int64_t)p.mblocks * p.ntiles * p.splits * p.bm * 64 : 0;
   p.counters = p.splits > 1 ? p.mblocks * p.ntiles : 0;
   return p;
 }
 
-// The k16 steps warp ``warp`` of split ``split`` runs: first, first + 4, ... (count of them), as the kernel does.
-HF_W4_HD int warp_steps(int ksteps, int steps_per_split, int split, int warp, int* first) {
+// The chunks warp ``warp`` of split ``split`` runs, as the kernel does: chunk i starts at k16 step first + 4 i kChunk
+// and holds the steps below *end (only the very last chunk of K can be short).
+HF_W4_HD int warp_chunks(int ksteps, int steps_per_split, int split, int warp, int* first, int* end) {
   const int kb = split * steps_per_split;
   const int ke = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
-  *first = kb + warp;
-  return *first < ke ? (ke - *first + 3) / 4 : 0;
+  *first = kb + warp * kChunk;
+  *end = ke;
+  return *first < ke ? (ke - *first + 4 * kChunk - 1) / (4 * kChunk) : 0;
 }
 
 }  // namespace cuda

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -59,11 +60,22 @@ at::Tensor split_counters(int64_t n, const at::Tensor& like) {
   return t;
 }
 
+// HF_W4_CUDA_MT: the fused kernel's m16 tiles per block (1, 2) instead of the rule by M and K; 0 when unset. Read per
+// call (a getenv, next to a kernel launch), so that a benchmark can compare the tilings in one process.
+int mt_override() {
+  const char* e = std::getenv("HF_W4_CUDA_MT");
+  if (!e || !*e) return 0;
+  const std::string v(e);
+  TORCH_CHECK(v == "1" || v == "2", "HF_W4_CUDA_MT='", v, "': expected 1 or 2 (m16 tiles per block)");
+  return std::stoi(v);
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
-  const int bps = w4a16_gemm_blocks_per_sm(plan_mt((int)m), bf16, kind);
+  const int forced = mt_override(), mt = forced ? forced : plan_mt((int)m, (int)k);
+  const int bps = w4a16_gemm_blocks_per_sm(mt, plan_rows((int)m, mt), bf16, kind);
   if (blocks_per_sm) *blocks_per_sm = bps;
-  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps);
+  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps, mt);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
@@ -72,7 +84,7 @@ void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::
   const int64_t npad = (n + 63) / 64 * 64;
   TORCH_CHECK(qpack.is_cuda() && qpack.scalar_type() == at::kInt && qpack.is_contiguous() &&
                   qpack.numel() == k * npad / 8,
-              "hf_w4 cuda_w4a16: qpack must be a contiguous int32 CUDA tensor of ", k * npad / 8, " elements (K/16 x Npad/64 "
+              "hf_w4 cuda_w4a16: qpack must be a contiguous int32 CUDA tensor of ", k * npad / 8, " elements (Npad/64 x K/16 "
               "x 32 x 4), got ", qpack.scalar_type(), " ", qpack.sizes());
   TORCH_CHECK(act == at::kHalf || act == at::kBFloat16, "hf_w4 cuda_w4a16: activations must be float16 or bfloat16, got ",
               act);
@@ -94,6 +106,10 @@ void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::
   }
   TORCH_CHECK(scales.device() == qpack.device() && (!zeros.has_value() || zeros->device() == qpack.device()),
               "hf_w4 cuda_w4a16: qpack, scales and zeros must be on one device");
+  // the kernels copy 16-byte pieces of each
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(aligned(qpack) && aligned(scales) && (kind != kInt4Asym || aligned(*zeros)),
+              "hf_w4 cuda_w4a16: qpack, scales and zeros must start on 16-byte boundaries");
 }
 
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tensor& scales,
@@ -107,7 +123,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
               ", the weights on ", qpack.device());
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor x = x_in.contiguous();
-  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 4) x = x.clone();  // the kernel reads k pairs as 32-bit words
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone();  // the kernel copies 16-byte pieces of rows
   std::optional<at::Tensor> b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "hf_w4 cuda_w4a16_gemm: bias has ", bias->numel(), " elements, expected N=", n);
@@ -137,6 +153,10 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   a.npad = (int)npad;
   a.k = (int)k;
   a.group_size = kind == kNvfp4 ? 16 : (int)group_size;
+  const int gsteps = a.group_size / 16;
+  a.group_shift = -1;
+  for (int b = 0; b < 31; ++b)
+    if (gsteps == 1 << b) a.group_shift = b;
   a.global_scale = (float)global_scale;
   a.kind = kind;
   a.bf16 = bf16;

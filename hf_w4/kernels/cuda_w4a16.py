@@ -40,49 +40,49 @@ def _npad(n: int) -> int:
     return (n + TILE_N - 1) // TILE_N * TILE_N
 
 
-# Codes [N, K] <-> qpack [K/16, Npad/64, 32 lanes, 4 words]: column n = 64 nt + 16 j + 8 p + g, row k = 16 kt + 8 b
+# Codes [N, K] <-> qpack [Npad/64, K/16, 32 lanes, 4 words]: column n = 64 nt + 16 j + 8 p + g, row k = 16 kt + 8 b
 # + 2 t + h sits in lane 4 g + t, word j, nibble slot 4 h + 2 p + b (w4a16_math.cuh). As tensor dims:
-# (nt, j, p, g, kt, b, t, h) <-> (kt, nt, g, t, j, h, p, b).
-_TO_FRAG = (4, 0, 3, 6, 1, 7, 2, 5)
-_FROM_FRAG = (1, 4, 6, 2, 0, 7, 3, 5)
+# (nt, j, p, g, kt, b, t, h) <-> (nt, kt, g, t, j, h, p, b).
+_TO_FRAG = (0, 4, 3, 6, 1, 7, 2, 5)
+_FROM_FRAG = (0, 4, 6, 2, 1, 7, 3, 5)
 
 
 def pack_fragments(codes: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Codes ``[N, K]`` (0..15, any integer dtype, K a multiple of 16) -> int32 ``[K/16, Npad/64, 32, 4]``; the
+    """Codes ``[N, K]`` (0..15, any integer dtype, K a multiple of 16) -> int32 ``[Npad/64, K/16, 32, 4]``; the
     padding columns get code 0. Works ``chunk`` k16 steps at a time (bounded temporaries)."""
     n, k = codes.shape
     npad, kt, nt = _npad(n), k // TILE_K, _npad(n) // TILE_N
-    out = torch.empty((kt, nt, 32, 4), dtype=torch.int32, device=codes.device)
+    out = torch.empty((nt, kt, 32, 4), dtype=torch.int32, device=codes.device)
     for k0 in range(0, kt, chunk):
         c = codes[:, k0 * TILE_K:(k0 + chunk) * TILE_K].to(torch.int32)
         if npad != n:
             c = F.pad(c, (0, 0, 0, npad - n))
         kc = c.shape[1] // TILE_K
-        v = c.reshape(nt, 4, 2, 8, kc, 2, 4, 2).permute(*_TO_FRAG).reshape(kc, nt, 32, 32)
-        out[k0:k0 + kc] = layouts.pack_nibbles(v, -1)
+        v = c.reshape(nt, 4, 2, 8, kc, 2, 4, 2).permute(*_TO_FRAG).reshape(nt, kc, 32, 32)
+        out[:, k0:k0 + kc] = layouts.pack_nibbles(v, -1)
     return out
 
 
 def unpack_fragments(qpack: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_fragments`: uint8 codes ``[N, K]``."""
-    kt, nt = qpack.shape[:2]
-    v = layouts.unpack_nibbles(qpack.reshape(kt, nt, 32, 4), -1)
-    return v.reshape(kt, nt, 8, 4, 4, 2, 2, 2).permute(*_FROM_FRAG).reshape(nt * TILE_N, kt * TILE_K)[:n]
+    nt, kt = qpack.shape[:2]
+    v = layouts.unpack_nibbles(qpack.reshape(nt, kt, 32, 4), -1)
+    return v.reshape(nt, kt, 8, 4, 4, 2, 2, 2).permute(*_FROM_FRAG).reshape(nt * TILE_N, kt * TILE_K)[:n]
 
 
 def pack_groups(t: torch.Tensor) -> torch.Tensor:
-    """Per-(column, group) values ``[N, G]`` -> ``[G, Npad/64, 8, 8]``: column 64 nt + 8 sub + g at [.., nt, g, sub]
-    (a lane reads its 8 sub-tiles' values in one load); padding columns get 0."""
+    """Per-(column, group) values ``[N, G]`` -> ``[Npad/64, G, 8, 8]``: column 64 nt + 8 sub + g at [nt, .., g,
+    sub] (a lane reads its 8 sub-tiles' values in one load, a strip's groups are contiguous); padding columns get 0."""
     n, g = t.shape
     if _npad(n) != n:
         t = torch.cat([t, t.new_zeros((_npad(n) - n, g))])
-    return t.t().reshape(g, -1, 8, 8).transpose(-1, -2).contiguous()
+    return t.reshape(-1, 8, 8, g).permute(0, 3, 2, 1).contiguous()
 
 
 def unpack_groups(t: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_groups`: ``[N, G]``."""
-    g = t.shape[0]
-    return t.transpose(-1, -2).reshape(g, -1)[:, :n].t()
+    g = t.shape[1]
+    return t.permute(0, 3, 2, 1).reshape(-1, g)[:n]
 
 
 @register

@@ -81,12 +81,12 @@ def packed(n: int, k: int, wt: str, copies: int):
     """Random weights already in the kernel layout (every bit pattern is a valid code): (qpack, scales) copies."""
     out = []
     for _ in range(copies):
-        q = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 16, n // 64, 32, 4), dtype=torch.int32, device="cuda")
+        q = torch.randint(-2 ** 31, 2 ** 31 - 1, (n // 64, k // 16, 32, 4), dtype=torch.int32, device="cuda")
         if wt == "nvfp4":
-            s = torch.randint(0x20, 0x48, (k // 16, n // 64, 8, 8), dtype=torch.uint8, device="cuda")
+            s = torch.randint(0x20, 0x48, (n // 64, k // 16, 8, 8), dtype=torch.uint8, device="cuda")
             out.append((q, s, s))
         else:
-            s = torch.rand(k // 128, n // 64, 8, 8, device="cuda") * 0.01 + 0.001
+            s = torch.rand(n // 64, k // 128, 8, 8, device="cuda") * 0.01 + 0.001
             out.append((q, s.half(), s.bfloat16()))
     return out
 
@@ -103,6 +103,23 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
+def _tilings(n: int, k: int, i4, copies: int) -> str:
+    """The fused kernel at M = 16, 32, 64 with each tiling forced, against the rule's choice."""
+    cells = []
+    for m in (16, 32, 64):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        rule = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
+        for mt in (1, 2):
+            os.environ["HF_W4_CUDA_MT"] = str(mt)
+            try:
+                us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128, "int4",
+                                                                     1.0), copies, 20)
+            finally:
+                del os.environ["HF_W4_CUDA_MT"]
+            cells.append(f"M={m} mt{mt}{'*' if mt == rule else ' '} {us:7.1f}")
+    return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     ok, why = cw.CudaW4A16Kernel.is_supported()  # loads (or JIT-builds) the CUDA library
@@ -117,6 +134,7 @@ def main() -> int:
            f"{'GB/s':>6} {'%bw':>4} | {'fp4 fp16':>8} {'x':>5} {'fp4 bf16':>8} {'x':>5} {'GB/s':>6} {'%bw':>4} | "
            f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5} | path")
     targets = []
+    tilings = []
     int4pack_note = None
     for n, k in SHAPES:
         print(hdr)
@@ -185,8 +203,12 @@ def main() -> int:
             elif m >= 1024:
                 targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
+        tilings.append(_tilings(n, k, i4, cq))
         del dense, i4, f4, i4pack
         torch.cuda.empty_cache()
+    print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")
+    for line in tilings:
+        print(line)
     if int4pack_note:
         print(int4pack_note)
     for err in dict.fromkeys(ERRORS):

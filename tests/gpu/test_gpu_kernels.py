@@ -61,6 +61,8 @@ def test_kernels_against_exact_weights(case, gs, dtype):
     _, layout, sym, ao, zp1 = case
     u = U[dtype]
     shapes = [(192, 576 if gs != 128 else 640), (200, 1024), (1024, 2048)]
+    if gs in (16, -1):  # an odd number of k16 steps: the last two-step chunk of K is short
+        shapes.append((136, 592))
     for n, k in shapes:
         spec, qw = make_qweight(layout, n, k, gs, sym, ao, zp1, seed=n + k, device="cuda")
         kern, layer = _layer(spec, qw)
@@ -192,8 +194,27 @@ def test_plan_reports_a_split_covering_k():
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
         mt, mblocks, ntiles, splits, steps, bps = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
-        assert mt in (1, 2, 4) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
+        assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
         assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
     with pytest.raises(RuntimeError, match="weight_type 'int8' is not supported"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
+    """HF_W4_CUDA_MT (the benchmark's tiling comparison) runs the other tiling correctly; a bad value is an error."""
+    spec, qw = make_qweight("gptq", 200, 592, -1, True, False, False, seed=11, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    w = kernel_dtype_weight(qw, dtype)
+    for m, mt in ((5, "2"), (40, "1"), (40, "2"), (127, "1")):
+        monkeypatch.setenv("HF_W4_CUDA_MT", mt)
+        assert torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)[0] == int(mt)
+        x = torch.randn(m, 592, device="cuda").to(dtype)
+        y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
+                                            kern.group_size, "int4", 1.0)
+        _check(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} M={m}")
+    monkeypatch.setenv("HF_W4_CUDA_MT", "4")
+    with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='4': expected 1 or 2"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)

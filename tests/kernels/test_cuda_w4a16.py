@@ -154,18 +154,18 @@ def test_repack_maps_invert(n, k):
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), generator=gen)
     q = cw.pack_fragments(codes, chunk=3)
-    assert q.shape == (k // 16, cw._npad(n) // 64, 32, 4) and q.dtype == torch.int32
+    assert q.shape == (cw._npad(n) // 64, k // 16, 32, 4) and q.dtype == torch.int32
     assert torch.equal(cw.unpack_fragments(q, n, k).long(), codes)
     # the word / nibble of element (n, k) is where the map in w4a16_math.cuh says (its frag_pos, written out)
     nn, kk = n - 1, k - 3
     nt, sub, g, kt, r = nn // 64, (nn % 64) // 8, nn % 8, kk // 16, kk % 16
-    word = q[kt, nt, 4 * g + (r % 8) // 2, sub // 2].item() & 0xFFFFFFFF
+    word = q[nt, kt, 4 * g + (r % 8) // 2, sub // 2].item() & 0xFFFFFFFF
     assert (word >> 4 * (4 * (r % 2) + 2 * (sub % 2) + r // 8)) & 15 == codes[nn, kk]
     s = torch.randn(n, 5, generator=gen)
     sp = cw.pack_groups(s)
-    assert sp.shape == (5, cw._npad(n) // 64, 8, 8)
+    assert sp.shape == (cw._npad(n) // 64, 5, 8, 8)
     assert torch.equal(cw.unpack_groups(sp, n), s)
-    assert sp[2, nn // 64, nn % 8, (nn % 64) // 8] == s[nn, 2]
+    assert sp[nn // 64, 2, nn % 8, (nn % 64) // 8] == s[nn, 2]
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[c[0] for c in LAYOUTS])

@@ -55,6 +55,10 @@ struct HostF16 {
   static uint32_t make(float lo, float hi) { return float_to_f16(lo) | (float_to_f16(hi) << 16); }
   static uint32_t sub2(uint32_t a, uint32_t b) { return make(get(a, 0) - get(b, 0), get(a, 1) - get(b, 1)); }
   static uint32_t mul2(uint32_t a, uint32_t b) { return make(get(a, 0) * get(b, 0), get(a, 1) * get(b, 1)); }
+  // a * b + c rounded once (the product and sum of the recipe's operands are exact in fp32)
+  static uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+    return make(get(a, 0) * get(b, 0) + get(c, 0), get(a, 1) * get(b, 1) + get(c, 1));
+  }
   static uint32_t from_f16x2(uint32_t v) { return v; }
 };
 struct HostBF16 {
@@ -80,20 +84,21 @@ uint32_t pair(const uint32_t* w4, const void* scales, const uint8_t* zeros, int 
   uint32_t sv[4], zv[2] = {0u, 0u};
   std::memcpy(sv, static_cast<const uint16_t*>(scales) + goff, 16);
   if (kind == kInt4Asym) std::memcpy(zv, zeros + goff, 8);
-  const uint32_t z2 = kind == kInt4Asym ? int4_zero_pair(zv[sub >> 2], sub & 3, A::kBF16) : int4_zero_bits(8u, A::kBF16);
-  return int4_dequant<A>(word, i, z2, broadcast16(sv[sub >> 1], sub & 1));
+  const uint32_t s2 = broadcast16(sv[sub >> 1], sub & 1);
+  if (kind != kInt4Asym) return int4_sym_dequant<A>(word, i, s2);
+  return int4_dequant<A>(word, i, int4_zero_pair(zv[sub >> 2], sub & 3, A::kBF16), s2);
 }
 
 template <class A>
 void dequant(const uint32_t* q, const void* scales, const uint8_t* zeros, int n, int npad, int k, int gs, int kind,
              int apply_global, float gscale, uint16_t* out) {
-  const int ntiles = npad / 64;
-  for (int kt = 0; kt < k / 16; ++kt)
+  const int ntiles = npad / 64, ksteps = k / 16, groups = kind == kNvfp4 ? ksteps : k / gs;
+  for (int kt = 0; kt < ksteps; ++kt)
     for (int nt = 0; nt < ntiles; ++nt)
       for (int lane = 0; lane < 32; ++lane) {
-        const uint32_t* w4 = q + (((int64_t)kt * ntiles + nt) * 32 + lane) * 4;
+        const uint32_t* w4 = q + tile_word(kt, nt, ksteps) + lane * 4;
         const int grp = kind == kNvfp4 ? kt : kt * 16 / gs;
-        const int64_t goff = ((int64_t)grp * ntiles + nt) * 64 + (lane >> 2) * 8;  // as the device loads it
+        const int64_t goff = group_row(grp, nt, groups) + (lane >> 2) * 8;  // as the device reads it
         for (int sub = 0; sub < 8; ++sub)
           for (int b = 0; b < 2; ++b) {
             const int slot = 2 * (sub & 1) + b;  // the low half of the pair (h = 0)
@@ -119,7 +124,7 @@ extern "C" {
 // Forward map (frag_n / frag_k), inverse (frag_pos) and the scale positions (group_pos vs the device's per-lane
 // load) agree and cover every element once; returns the number of violations.
 int hf_w4_host_check_maps(int npad, int k) {
-  const int ntiles = npad / 64;
+  const int ntiles = npad / 64, ksteps = k / 16;
   std::vector<int> seen((size_t)npad * k, 0);
   int bad = 0;
   for (int kt = 0; kt < k / 16; ++kt)
@@ -130,10 +135,11 @@ int hf_w4_host_check_maps(int npad, int k) {
             const int n = frag_n(nt, lane, j, slot), kk = frag_k(kt, lane, slot);
             if (n < 0 || n >= npad || kk < 0 || kk >= k) { ++bad; continue; }
             seen[(size_t)n * k + kk]++;
-            const FragPos p = frag_pos(n, kk, ntiles);
-            if (p.word != (((int64_t)kt * ntiles + nt) * 32 + lane) * 4 + j || p.slot != slot) ++bad;
+            const FragPos p = frag_pos(n, kk, ksteps);
+            // strips contiguous along K: tile (kt, nt) is the (nt * K/16 + kt)-th 512-byte block
+            if (p.word != (((int64_t)nt * ksteps + kt) * 32 + lane) * 4 + j || p.slot != slot) ++bad;
             const int sub = 2 * j + ((slot & 3) >> 1);
-            if (group_pos(kt, n, ntiles) != ((int64_t)kt * ntiles + nt) * 64 + (lane >> 2) * 8 + sub) ++bad;
+            if (group_pos(kt, n, ksteps) != ((int64_t)nt * ksteps + kt) * 64 + (lane >> 2) * 8 + sub) ++bad;
           }
   for (int c : seen) bad += c != 1;
   return bad;
@@ -159,7 +165,7 @@ uint32_t hf_w4_host_int4(uint32_t v, uint32_t z, int bf16) {
 
 extern "C" {
 // The fused kernel's work split for (M, Npad, K) with ``slots`` resident blocks: every k16 step is run by exactly one
-// (split, warp) and the split count matches the grid; returns the violations, and the plan's splits in *splits.
+// (split, warp, chunk) and the split count matches the grid; returns the violations, and the plan's splits in *splits.
 int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
   const GemmPlan p = plan_gemm(m, npad, k, slots);
   *splits = p.splits;
@@ -168,13 +174,15 @@ int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
   int bad = 0;
   for (int s = 0; s < p.splits; ++s)
     for (int w = 0; w < 4; ++w) {
-      int first;
-      const int cnt = warp_steps(ksteps, p.steps_per_split, s, w, &first);
-      for (int i = 0; i < cnt; ++i) {
-        const int kt = first + 4 * i;
-        if (kt < 0 || kt >= ksteps || kt >= (s + 1) * p.steps_per_split) ++bad;
-        else seen[kt]++;
-      }
+      int first, end;
+      const int cnt = warp_chunks(ksteps, p.steps_per_split, s, w, &first, &end);
+      for (int i = 0; i < cnt; ++i)
+        for (int j = 0; j < kChunk; ++j) {
+          const int kt = first + 4 * kChunk * i + j;
+          if (kt >= end) continue;
+          if (kt < 0 || kt >= ksteps || kt >= (s + 1) * p.steps_per_split) ++bad;
+          else seen[kt]++;
+        }
     }
   for (int c : seen) bad += c != 1;
   bad += p.mblocks * p.bm < m || (p.mblocks - 1) * p.bm >= m;
