@@ -112,6 +112,19 @@ __device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, i
   return r;
 }
 
+// E4M3 byte ``idx`` of word as an fp16 pair (exact): one PRMT and the hardware conversion where there is one
+// (sm_89+), else the bit move of nvfp4_scale2
+__device__ __forceinline__ uint32_t e4m3_scale_pair(uint32_t word, int idx) {
+#if __CUDA_ARCH__ >= 890
+  const uint16_t bb = static_cast<uint16_t>(prmt(word, 0u, (uint32_t)idx * 0x11u));  // bytes idx, idx
+  uint32_t s2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"(bb));
+  return s2;
+#else
+  return nvfp4_scale2<DevF16>((word >> (8 * idx)) & 0xffu);
+#endif
+}
+
 // The two B fragment registers of sub-tile ``sub`` (0..7), dequantized into Out's type (for NVFP4 without the
 // global scale)
 template <class Out, int KIND>
@@ -120,8 +133,7 @@ __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b
   const uint32_t word = wv[sub >> 1];
   const int p = sub & 1;
   if constexpr (KIND == kNvfp4) {
-    const uint32_t byte = ((sub < 4 ? t.s.x : t.s.y) >> (8 * (sub & 3))) & 0xffu;
-    const uint32_t s2 = nvfp4_scale2<DevF16>(byte);
+    const uint32_t s2 = e4m3_scale_pair(sub < 4 ? t.s.x : t.s.y, sub & 3);
     b0 = nvfp4_dequant<DevF16, Out>(word, 2 * p, s2);
     b1 = nvfp4_dequant<DevF16, Out>(word, 2 * p + 1, s2);
   } else {
