@@ -168,6 +168,9 @@ struct ChunkSlot {
   uint4 s[scale_pieces<KIND>()];
 };
 
+constexpr int kRingSlots = 4;  // per warp: 3 chunks in flight while one is computed
+template <int MT, int MR, int KIND>
+constexpr int ring_bytes() { return 4 * kRingSlots * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
 
 // Per-lane sources of a chunk's copies, advanced by one chunk of the warp (4 kChunk k16 steps) per slot
 template <int MT, int KIND>
@@ -251,10 +254,6 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
 // earlier before its refill. The warps' partial sums are added in warp order in shared memory (reusing the ring);
 // with split-K every split stores its partial tile and the last block to arrive (a per-tile counter) adds them in
 // split order: the result does not depend on scheduling. Dynamic shared memory: ring_bytes<MT, MR, KIND>().
-constexpr int kRingSlots = 4;  // per warp: 3 chunks in flight while one is computed
-template <int MT, int MR, int KIND>
-constexpr int ring_bytes() { return 4 * kRingSlots * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
-
 template <int MT, int MR, bool BF16, int KIND>
 __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                          const int steps_per_split) {
