@@ -156,7 +156,8 @@ def main() -> int:
             torch._weight_int4pack_mm(torch.randn(1, k, device="cuda").bfloat16(), i4pack[0][0], 128, sz)
         except Exception as e:  # noqa: BLE001 - reported once
             i4pack = None
-            int4pack_note = int4pack_note or f"torch._weight_int4pack_mm on CUDA: n/a ({type(e).__name__}: {str(e)[:120]})"
+            int4pack_note = int4pack_note or (f"torch._weight_int4pack_mm on CUDA: n/a ({type(e).__name__}: "
+                                              f"{str(e)[:120]})")
         for m in MS:
             x = {dt: torch.randn(m, k, device="cuda").to(dt) for dt in (torch.float16, torch.bfloat16)}
             calls = 20 if m <= 64 else 5
@@ -204,7 +205,7 @@ def main() -> int:
                 targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
         tilings.append(_tilings(n, k, i4, cq))
-        del dense, i4, f4, i4pack
+        dense = i4 = f4 = i4pack = None  # free this shape's weights (rebound, not deleted: closures read them)
         torch.cuda.empty_cache()
     print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")
     for line in tilings:
