@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -128,6 +129,28 @@ def _decode_count(v: str) -> int:
     return n
 
 
+def _device(v: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected cpu, cuda or cuda:N")
+    return v
+
+
+def _eval_device(device: str, dist) -> str:
+    """``--device`` as this process uses it: a CUDA device must exist; plain ``cuda`` with several processes is each
+    process's own GPU (LOCAL_RANK, as accelerate and torchrun set it)."""
+    if device == "cpu":
+        return device
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}, "
+                         f"torch.cuda.is_available() is False); use --device cpu")
+    if device == "cuda":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', dist.rank if dist.world > 1 else 0))}"
+    if int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _group_size(v: str) -> int:
     n = _int(v)
     if n != -1 and n < 1:
@@ -190,6 +213,7 @@ def cmd_eval(a) -> int:
     from . import models
     _check_json(a.json)
     dist = E.Dist.detect()
+    device = _eval_device(a.device, dist)
     if a.threads is not None:
         import torch
         torch.set_num_threads(a.threads)
@@ -204,7 +228,7 @@ def cmd_eval(a) -> int:
     bos = {"auto": "auto", "yes": True, "no": False}[a.bos]
     r = E.evaluate(path, text=text, max_tokens=a.max_tokens or None, window=a.window, reference=ref,
                    dtype=_dtype(a.dtype), decode_tokens=a.decode_tokens, prompt=a.prompt, bos=bos, dist=dist,
-                   tokenizer=tok, activation=a.activation)
+                   tokenizer=tok, activation=a.activation, device=device)
     r["text"] = a.text or "pydoc_data.topics"
     if a.tokenizer:
         r["tokenizer"] = a.tokenizer
@@ -410,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "none = weight-only, int8 = dynamic per-token int8 (a 4-bit checkpoint runs as W4A8 on "
                         "cpu_int8), int8_group = per token and weight group; anything but auto on a dense "
                         "checkpoint is an error")
+    s.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, or cuda / cuda:N: load the model there (device_map), so quantized layers run on "
+                        "hf_w4's CUDA kernels; plain cuda under several processes gives each its LOCAL_RANK's GPU")
     s.add_argument("--threads", type=_min_int(1), default=None,
                    help="torch threads, >= 1 (default: torch's / accelerate's choice)")
     s.add_argument("--json", metavar="FILE", help="also write the result as JSON")

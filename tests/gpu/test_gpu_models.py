@@ -102,3 +102,23 @@ def test_reference_kernel_runs_on_cuda(written, monkeypatch):
     assert all(m.kernel.NAME == "torch_reference" for m in ref.modules() if isinstance(m, QuantLinear))
     with torch.no_grad():
         assert _cos(model(_ids("cuda")).logits, ref(_ids("cuda")).logits) >= 0.9999
+
+
+def test_cli_eval_on_cuda(tiny, tmp_path, capsys):
+    """``hf-w4 eval --device cuda`` of a GPTQ checkpoint (``hf-w4 convert`` of the tiny model): the quantized layers
+    run on cuda_w4a16, the perplexity is the CPU run's within 1 %, decoding is timed on the GPU."""
+    import json
+    from hf_w4.tools import cli
+    ckpt = tmp_path / "gptq"
+    assert cli.main(["convert", str(tiny), str(ckpt), "--format", "gptq", "--no-progress"]) == 0
+    fast = ["--max-tokens", "256", "--window", "64", "--decode-tokens", "4", "--dtype", "fp16", "--no-progress"]
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        out = tmp_path / f"{dev}.json"
+        assert cli.main(["eval", str(ckpt), "--device", dev, "--json", str(out), *fast]) == 0
+        runs[dev] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    cu = runs["cuda"]
+    assert cu["device"] == "cuda:0" and "cuda_w4a16" in cu["kernels"], cu["kernels"]
+    assert cu["peak_cuda_bytes"] > 0 and cu["decode_tok_per_s"] > 0 and "peak CUDA" in text
+    assert abs(cu["perplexity"] / runs["cpu"]["perplexity"] - 1) < 0.01, (cu["perplexity"], runs["cpu"]["perplexity"])

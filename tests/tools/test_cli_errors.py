@@ -1,7 +1,7 @@
 """``hf-w4`` usage errors are one line on stderr (exit status 2), found before the long part of a run, on tiny offline
 models: mismatched reference / tokenizer, BOS without a BOS token, unwritable --json, a file as model path, a
 checkpoint without tokenizer files or a --tokenizer that is none, a directory as --text, a checkpoint without weights or
-with a broken config.json, bad bench arguments, out-of-range counts, a closed stdout."""
+with a broken config.json, bad bench arguments, out-of-range counts, a bad or absent --device, a closed stdout."""
 import json
 import os
 import subprocess
@@ -152,6 +152,20 @@ def test_counts_out_of_range(tiny, capsys):
         E.make_windows(tok, "some text " * 50, window=16, max_tokens=-1)
     with pytest.raises(ValueError, match="decode_tokens"):                # before the perplexity pass
         E.evaluate(tiny, max_tokens=64, window=32, decode_tokens=1, model=torch.nn.Module(), progress=False)
+
+
+def test_device(tiny, capsys, tmp_path):
+    """--device: a bad name is an argparse error; cuda without a CUDA device is one line naming the way out; cpu runs
+    as the default does and says so in the JSON."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", str(tiny), "--device", "gpu"])
+    assert e.value.code == 2 and "'gpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        rc, _, err = _run(capsys, "eval", tiny, "--device", "cuda:0", *FAST)
+        assert rc == 2 and "--device cuda:0: torch sees no CUDA device here" in err and "--device cpu" in err, err
+    out = tmp_path / "r.json"
+    rc, text, _ = _run(capsys, "eval", tiny, "--device", "cpu", "--json", out, *FAST)
+    assert rc == 0 and json.loads(out.read_text())["device"] == "cpu" and " on cpu" not in text
 
 
 def test_window_longer_than_context(tiny, capsys):

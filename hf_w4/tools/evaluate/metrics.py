@@ -141,11 +141,15 @@ def decode(model, tokenizer, prompt: str = DEFAULT_PROMPT, new_tokens: int = 32,
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     dev = _device_of(model)
     ids = encode_prompt(tokenizer, prompt, chat).to(dev)
+    # a GPU runs ahead of the host: wait for it at each clock reading, so a step's time is its own
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def run(steps):
+        sync()
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         t1 = time.perf_counter()
         past, toks, steps_s = out.past_key_values, [nxt], []
         for _ in range(steps - 1):
@@ -154,6 +158,7 @@ def decode(model, tokenizer, prompt: str = DEFAULT_PROMPT, new_tokens: int = 32,
             past = out.past_key_values
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(nxt)
+            sync()
             steps_s.append(time.perf_counter() - ts)
         t2 = time.perf_counter()
         return torch.cat(toks, 1)[0].tolist(), t1 - t0, t2 - t1, steps_s

@@ -18,14 +18,15 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
              window: int = DEFAULT_WINDOW, reference=None, dtype: torch.dtype = torch.bfloat16,
              decode_tokens: int = 32, prompt: str = DEFAULT_PROMPT, bos: Union[str, bool] = "auto",
              dist: Optional[Dist] = None, progress: bool = True, model=None, tokenizer=None,
-             activation: str = "auto") -> Dict:
+             activation: str = "auto", device: str = "cpu") -> Dict:
     """Evaluate one checkpoint; returns a JSON-able dict (the ``hf-w4 eval`` output).
 
     ``text``: a string (None = default corpus). ``reference``: a dense checkpoint path (or a loaded model)
     for top-1 agreement. ``tokenizer``: a loaded tokenizer instead of the checkpoint's own (which a checkpoint
     saved from a model object does not have). ``activation``: ``"auto"`` (the checkpoint's own scheme) or an
     activation mode to load the quantized checkpoint with (:func:`load_model`); the result's ``activation`` is
-    the scheme its layers ran. Decoding speed is measured on rank 0 only, after the perplexity pass, while the
+    the scheme its layers ran. ``device``: where checkpoints loaded here go (``device_map``; ``"cpu"`` loads as
+    transformers does by default). Decoding speed is measured on rank 0 only, after the perplexity pass, while the
     other ranks wait, so it is not disturbed by them. ``peak_rss_bytes`` (the maximum over the ranks) is sampled
     after the checkpoint's own perplexity and decoding, before the reference is loaded: the reference then runs
     alone on the same windows against the checkpoint's argmax.
@@ -35,7 +36,10 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
             raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
         dist = dist or Dist.detect()
         t0 = time.perf_counter()
-        model = model if model is not None else load_model(path, dtype, activation)
+        placed = {} if device == "cpu" else {"device_map": device}
+        if device != "cpu":
+            torch.cuda.reset_peak_memory_stats(device)
+        model = model if model is not None else load_model(path, dtype, activation, **placed)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         load_s = time.perf_counter() - t0
         text = text if text is not None else default_text()
@@ -52,7 +56,7 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
         ppl = perplexity(model, windows, None, dist, progress)
         out = {"path": str(path), "format": quant_format(model), "kernels": kernels_used(model),
                "activation": activation_used(model), "activation_requested": activation,
-               "dtype": str(dtype).replace("torch.", ""), "load_s": load_s, "world": dist.world,
+               "dtype": str(dtype).replace("torch.", ""), "device": device, "load_s": load_s, "world": dist.world,
                "bos": use_bos,
                "perplexity": ppl.ppl, "nll": ppl.nll, "tokens": ppl.tokens, "windows": ppl.windows,
                "window": ppl.window, "top1_agreement": None, "reference_perplexity": None,
@@ -70,11 +74,14 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
         rss = dist.per_rank(peak_rss_bytes())      # the checkpoint's own run, without the reference
         out["peak_rss_bytes"] = int(max(rss))
         out["peak_rss_bytes_per_rank"] = [int(r) for r in rss]
+        if device != "cpu":
+            out["peak_cuda_bytes"] = int(torch.cuda.max_memory_allocated(device))
         out["threads"] = torch.get_num_threads()
         if reference is not None:
             model = None                           # ours, if loaded here: freed before the reference comes in
             gc.collect()
-            ref_model = reference if isinstance(reference, torch.nn.Module) else load_model(reference, dtype)
+            ref_model = (reference if isinstance(reference, torch.nn.Module)
+                         else load_model(reference, dtype, **placed))
             ref = perplexity(ref_model, windows, ppl.argmax, dist, progress, desc="reference perplexity")
             del ref_model
             out.update(top1_agreement=ref.top1, reference_perplexity=ref.ppl)
@@ -111,7 +118,8 @@ def format_eval(r: Dict) -> str:
     lines = [f"model        {r['path']}",
              f"format       {r['format']}    kernels: {ks}",
              f"perplexity   {r['perplexity']:.4f}   ({r['tokens']} tokens in {r['windows']} windows of "
-             f"{r['window']}{', BOS' if r['bos'] else ''}; {r['world']} process(es))"]
+             f"{r['window']}{', BOS' if r['bos'] else ''}; {r['world']} process(es)"
+             f"{'' if r.get('device', 'cpu') == 'cpu' else ' on ' + r['device']})"]
     if r.get("activation"):
         req = r.get("activation_requested") or "auto"
         why = "the checkpoint's own scheme" if req == "auto" else f"requested: {req}"
@@ -135,4 +143,6 @@ def format_eval(r: Dict) -> str:
     per = r.get("peak_rss_bytes_per_rank") or [r["peak_rss_bytes"]]
     lines.append("peak RSS     " + ", ".join(f"{x * mb:.0f} MiB" for x in per) + (" (per rank)" if len(per) > 1 else "")
                  + (" (before the reference was loaded)" if r.get("reference") else ""))
+    if r.get("peak_cuda_bytes") is not None:
+        lines.append(f"peak CUDA    {r['peak_cuda_bytes'] * mb:.0f} MiB allocated on {r['device']}")
     return "\n".join(lines)
