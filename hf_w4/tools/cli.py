@@ -362,9 +362,10 @@ def cmd_demo(a) -> int:
         (a.max_tokens or None)
     decode_tokens = (D.QUICK["decode_tokens"] if a.quick else D.DEFAULT_DECODE_TOKENS) if a.decode_tokens is None \
         else a.decode_tokens
+    device = _eval_device(a.device, E.Dist())
     rows = E.run_demo(a.model, formats=formats, group_size=a.group_size, ppl_tokens=max_tokens,
                       decode_tokens=decode_tokens, prompt=a.prompt, dtype=_dtype(a.dtype), out_dir=a.out,
-                      log=lambda s: print(s, file=sys.stderr, flush=True), w4a8=a.w4a8)
+                      log=lambda s: print(s, file=sys.stderr, flush=True), w4a8=a.w4a8, device=device)
     print()
     print(E.format_demo_caption(rows))
     print(E.format_demo_table(rows))
@@ -500,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="short run for CI: fewer perplexity and decode tokens")
     s.add_argument("--prompt", default=D.DEFAULT_PROMPT, help="prompt of the timed greedy decode")
     s.add_argument("--dtype", default="bf16", choices=D.DTYPES, help="activation dtype (dense baseline too)")
+    s.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, or cuda / cuda:N: every model (the dense baseline too) runs there")
     s.add_argument("--out", metavar="DIR", help="keep the written checkpoints here (default: temporary)")
     s.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     s.set_defaults(func=cmd_demo)

@@ -122,3 +122,19 @@ def test_cli_eval_on_cuda(tiny, tmp_path, capsys):
     assert cu["device"] == "cuda:0" and "cuda_w4a16" in cu["kernels"], cu["kernels"]
     assert cu["peak_cuda_bytes"] > 0 and cu["decode_tok_per_s"] > 0 and "peak CUDA" in text
     assert abs(cu["perplexity"] / runs["cpu"]["perplexity"] - 1) < 0.01, (cu["perplexity"], runs["cpu"]["perplexity"])
+
+
+def test_cli_demo_on_cuda(tiny, tmp_path, capsys):
+    """``hf-w4 demo --device cuda`` (the README's main job on a GPU): the dense baseline and each format run on the
+    GPU, the 4-bit formats on cuda_w4a16."""
+    import json
+    from hf_w4.tools import cli
+    out = tmp_path / "rows.json"
+    rc = cli.main(["demo", "--model", str(tiny), "--formats", "gptq,ct-nvfp4", "--w4a8", "none", "--quick",
+                   "--dtype", "fp16", "--device", "cuda", "--json", str(out), "--no-progress"])
+    rows = json.loads(out.read_text())
+    assert rc == 0, rows
+    assert rows[0]["device"] == "cuda:0" and "Every model ran on cuda:0" in capsys.readouterr().out
+    for r in rows[1:]:
+        assert r["status"] == "ok" and "cuda_w4a16" in r["kernels"], r
+

@@ -166,6 +166,12 @@ def test_device(tiny, capsys, tmp_path):
     out = tmp_path / "r.json"
     rc, text, _ = _run(capsys, "eval", tiny, "--device", "cpu", "--json", out, *FAST)
     assert rc == 0 and json.loads(out.read_text())["device"] == "cpu" and " on cpu" not in text
+    with pytest.raises(SystemExit) as e:                            # the demo takes the same option
+        cli.main(["demo", "--device", "cuda:x"])
+    assert e.value.code == 2 and "expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        rc, _, err = _run(capsys, "demo", "--model", tiny, "--device", "cuda", "--quick")
+        assert rc == 2 and "--device cuda: torch sees no CUDA device here" in err, err
 
 
 def test_window_longer_than_context(tiny, capsys):

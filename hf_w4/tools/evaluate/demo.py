@@ -57,7 +57,7 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
              ppl_tokens: Optional[int] = 2048, window: int = DEFAULT_WINDOW, decode_tokens: int = 32,
              prompt: str = DEFAULT_PROMPT, text: Optional[str] = None, out_dir=None,
              dtype: torch.dtype = torch.bfloat16, progress: bool = True, log=print,
-             w4a8: Optional[Sequence[str]] = None) -> List[Dict]:
+             w4a8: Optional[Sequence[str]] = None, device: str = "cpu") -> List[Dict]:
     """Write ``model_path`` (default: the embedded SmolLM2-135M-Instruct) in every format, load each
     through ``from_pretrained`` with hf_w4, and measure it against the dense ``dtype`` model.
 
@@ -76,6 +76,8 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
     loaded a second time with ``activation="int8"`` (W4A8: dynamic int8 activations, the cpu_int8 kernel) and
     measured the same way, as a row ``"<fmt> +int8 act"`` right after the format's own row: the accuracy cost
     and the speed gain of the opt-in side by side. None = gptq when gptq is among ``formats``; ``()`` = none.
+
+    ``device``: where the dense baseline and every checkpoint run (``device_map``; the writers quantize on the CPU).
 
     Usage errors (an unknown format, a bad group size or count, a quantized source model) raise ValueError before
     anything is measured.
@@ -110,17 +112,19 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
         try:
             tok = load_tokenizer(src)
             source = load_model(src, torch.float32)         # what the writers quantize (kept in memory once)
-            dense = load_model(src, dtype) if dtype != torch.float32 else source
+            placed = {} if device == "cpu" else {"device_map": device}
+            dense = load_model(src, dtype, **placed) if dtype != torch.float32 or placed else source
             windows = make_windows(tok, text if text is not None else default_text(), window, ppl_tokens, "auto",
                                    dense.config)
+            where = f"{torch.get_num_threads()} threads" if device == "cpu" else device
             log(f"dense {str(dtype).replace('torch.', '')}: {src} ({windows.shape[0]} x {windows.shape[1]}-token "
-                f"windows, {decode_tokens} decode tokens, {torch.get_num_threads()} threads)")
+                f"windows, {decode_tokens} decode tokens, {where})")
             ref = perplexity(dense, windows, None, dist, progress)
             dec = decode(dense, tok, prompt, decode_tokens)
             nbytes = model_bytes(dense)
             lin = _linear_bytes(dense)
             base = {"format": f"dense {str(dtype).replace('torch.', '')}", "status": "ok", "reason": "",
-                    "reference": _reference_text(src),
+                    "reference": _reference_text(src), "device": device,
                     "kernel": "torch (dense)", "kernels": {}, "activation": None, "packed_bytes": lin,
                     "dense_bytes": lin, "weights_bytes": nbytes["total"], "perplexity": ref.ppl, "ppl_ratio": 1.0,
                     "top1": 1.0, "tok_per_s": dec.tok_per_s, "tok_per_s_min": dec.tok_per_s_min,
@@ -141,7 +145,7 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
             def measure(row, path, note):
                 try:
                     t0 = time.perf_counter()
-                    model = load_model(path, dtype, row["activation"])
+                    model = load_model(path, dtype, row["activation"], **placed)
                     row["load_s"] = time.perf_counter() - t0
                     ks = kernels_used(model)
                     mb = model_bytes(model)
@@ -242,7 +246,8 @@ def format_demo_caption(rows: List[Dict]) -> str:
     return ("Every format is quantized by hf_w4's writers with round-to-nearest (RTN, no calibration): the gptq, awq "
             "and auto-round rows hold the same RTN weights in different layouts, not the results of the GPTQ, AWQ or "
             f"AutoRound algorithms. Reference (perplexity ratio, top-1, speedup): {rows[0]['reference']}. Decode "
-            "tokens/s: the median of 3 timed runs, [min-max] their spread.")
+            "tokens/s: the median of 3 timed runs, [min-max] their spread."
+            + ("" if rows[0].get("device", "cpu") == "cpu" else f" Every model ran on {rows[0]['device']}."))
 
 
 def _reference_text(src) -> str:
