@@ -184,8 +184,9 @@ def cmd_info(a) -> int:
     from . import models
     from ..report import kernel_report, layer_table
     _check_json(a.json)
+    device = _eval_device(a.device, E.Dist())
     path = models.resolve(a.path)
-    model = E.load_model(path, _dtype(a.dtype))
+    model = E.load_model(path, _dtype(a.dtype), **({} if device == "cpu" else {"device_map": device}))
     rows = layer_table(model)
     mem = E.model_bytes(model)
     mib = 1 / 2**20
@@ -406,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="checkpoint: directory, hub id or 'default'")
     s.add_argument("--dtype", default="bf16", choices=D.DTYPES, help="activation dtype")
     s.add_argument("--per-layer", action="store_true", help="one line per layer instead of one per kind of layer")
+    s.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, or cuda / cuda:N: the kernels chosen for layers placed there")
     s.add_argument("--kernel-timing", action="store_true",
                    help="also time cpu_w4a16's large-batch paths on this CPU and print its choice (a few seconds)")
     s.add_argument("--json", metavar="FILE", help="also write the layer table as JSON")

@@ -111,6 +111,8 @@ def test_cli_eval_on_cuda(tiny, tmp_path, capsys):
     from hf_w4.tools import cli
     ckpt = tmp_path / "gptq"
     assert cli.main(["convert", str(tiny), str(ckpt), "--format", "gptq", "--no-progress"]) == 0
+    assert cli.main(["info", str(ckpt), "--device", "cuda"]) == 0
+    assert "cuda_w4a16" in capsys.readouterr().out
     fast = ["--max-tokens", "256", "--window", "64", "--decode-tokens", "4", "--dtype", "fp16", "--no-progress"]
     runs = {}
     for dev in ("cpu", "cuda"):

@@ -166,7 +166,10 @@ def test_device(tiny, capsys, tmp_path):
     out = tmp_path / "r.json"
     rc, text, _ = _run(capsys, "eval", tiny, "--device", "cpu", "--json", out, *FAST)
     assert rc == 0 and json.loads(out.read_text())["device"] == "cpu" and " on cpu" not in text
-    with pytest.raises(SystemExit) as e:                            # the demo takes the same option
+    with pytest.raises(SystemExit) as e:                            # the demo and info take the same option
+        cli.main(["info", str(tiny), "--device", "tpu"])
+    assert e.value.code == 2 and "'tpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         cli.main(["demo", "--device", "cuda:x"])
     assert e.value.code == 2 and "expected cpu, cuda or cuda:N" in capsys.readouterr().err
     if not torch.cuda.is_available():
