@@ -43,6 +43,7 @@ def test_notebook_runs_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_W4_QUICK", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)      # the kernel's inline backend makes the PNG outputs
+    monkeypatch.setenv("TMPDIR", str(tmp_path))          # the notebook's checkpoint folder (~1 GB) goes with tmp_path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
