@@ -135,7 +135,7 @@ def _device(v: str) -> str:
     return v
 
 
-def _eval_device(device: str, dist) -> str:
+def _resolve_device(device: str, dist) -> str:
     """``--device`` as this process uses it: a CUDA device must exist; plain ``cuda`` with several processes is each
     process's own GPU (LOCAL_RANK, as accelerate and torchrun set it)."""
     if device == "cpu":
@@ -184,9 +184,9 @@ def cmd_info(a) -> int:
     from . import models
     from ..report import kernel_report, layer_table
     _check_json(a.json)
-    device = _eval_device(a.device, E.Dist())
+    device = _resolve_device(a.device, E.Dist())
     path = models.resolve(a.path)
-    model = E.load_model(path, _dtype(a.dtype), **({} if device == "cpu" else {"device_map": device}))
+    model = E.load_model(path, _dtype(a.dtype), device=device)
     rows = layer_table(model)
     mem = E.model_bytes(model)
     mib = 1 / 2**20
@@ -214,7 +214,7 @@ def cmd_eval(a) -> int:
     from . import models
     _check_json(a.json)
     dist = E.Dist.detect()
-    device = _eval_device(a.device, dist)
+    device = _resolve_device(a.device, dist)
     if a.threads is not None:
         import torch
         torch.set_num_threads(a.threads)
@@ -363,7 +363,7 @@ def cmd_demo(a) -> int:
         (a.max_tokens or None)
     decode_tokens = (D.QUICK["decode_tokens"] if a.quick else D.DEFAULT_DECODE_TOKENS) if a.decode_tokens is None \
         else a.decode_tokens
-    device = _eval_device(a.device, E.Dist())
+    device = _resolve_device(a.device, E.Dist())
     rows = E.run_demo(a.model, formats=formats, group_size=a.group_size, ppl_tokens=max_tokens,
                       decode_tokens=decode_tokens, prompt=a.prompt, dtype=_dtype(a.dtype), out_dir=a.out,
                       log=lambda s: print(s, file=sys.stderr, flush=True), w4a8=a.w4a8, device=device)

@@ -112,8 +112,7 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
         try:
             tok = load_tokenizer(src)
             source = load_model(src, torch.float32)         # what the writers quantize (kept in memory once)
-            placed = {} if device == "cpu" else {"device_map": device}
-            dense = load_model(src, dtype, **placed) if dtype != torch.float32 or placed else source
+            dense = load_model(src, dtype, device=device) if dtype != torch.float32 or device != "cpu" else source
             windows = make_windows(tok, text if text is not None else default_text(), window, ppl_tokens, "auto",
                                    dense.config)
             where = f"{torch.get_num_threads()} threads" if device == "cpu" else device
@@ -145,7 +144,7 @@ def run_demo(model_path=None, formats: Optional[Sequence[str]] = None, group_siz
             def measure(row, path, note):
                 try:
                     t0 = time.perf_counter()
-                    model = load_model(path, dtype, row["activation"], **placed)
+                    model = load_model(path, dtype, row["activation"], device)
                     row["load_s"] = time.perf_counter() - t0
                     ks = kernels_used(model)
                     mb = model_bytes(model)

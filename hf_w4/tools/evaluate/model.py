@@ -13,12 +13,15 @@ from ...nn import QuantLinear
 from ...report import layer_table
 
 
-def load_model(path, dtype: torch.dtype = torch.bfloat16, activation: str = "auto", **kwargs):
+def load_model(path, dtype: torch.dtype = torch.bfloat16, activation: str = "auto", device: str = "cpu", **kwargs):
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with hf_w4 enabled (quantized
     checkpoints go through hf_w4, dense ones load as usual), in eval mode. ``activation`` other than ``"auto"``
     (the checkpoint's own scheme) loads a quantized checkpoint with its family's hf_w4 config class and that
-    activation mode (:func:`activation_config`), e.g. ``"int8"``: a 4-bit checkpoint runs as W4A8."""
+    activation mode (:func:`activation_config`), e.g. ``"int8"``: a 4-bit checkpoint runs as W4A8. ``device`` other
+    than ``"cpu"`` (e.g. ``"cuda:0"``) is passed as ``device_map``: the quantized layers take that device's kernels."""
     from transformers import AutoModelForCausalLM
+    if device != "cpu":
+        kwargs["device_map"] = device
     with enabled(), warnings.catch_warnings():
         if activation != "auto":
             kwargs["quantization_config"] = activation_config(path, activation)

@@ -36,10 +36,9 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
             raise ValueError(f"decode_tokens must be 0 (skip decoding) or >= 2, got {decode_tokens}")
         dist = dist or Dist.detect()
         t0 = time.perf_counter()
-        placed = {} if device == "cpu" else {"device_map": device}
         if device != "cpu":
             torch.cuda.reset_peak_memory_stats(device)
-        model = model if model is not None else load_model(path, dtype, activation, **placed)
+        model = model if model is not None else load_model(path, dtype, activation, device)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         load_s = time.perf_counter() - t0
         text = text if text is not None else default_text()
@@ -81,7 +80,7 @@ def evaluate(path, text: Optional[str] = None, max_tokens: Optional[int] = DEFAU
             model = None                           # ours, if loaded here: freed before the reference comes in
             gc.collect()
             ref_model = (reference if isinstance(reference, torch.nn.Module)
-                         else load_model(reference, dtype, **placed))
+                         else load_model(reference, dtype, device=device))
             ref = perplexity(ref_model, windows, ppl.argmax, dist, progress, desc="reference perplexity")
             del ref_model
             out.update(top1_agreement=ref.top1, reference_perplexity=ref.ppl)
