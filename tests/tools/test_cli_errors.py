@@ -177,6 +177,22 @@ def test_device(tiny, capsys, tmp_path):
         assert rc == 2 and "--device cuda: torch sees no CUDA device here" in err, err
 
 
+def test_device_resolution_with_gpus(monkeypatch):
+    """With CUDA (faked here): cuda:N past the device count is an error naming the count; plain cuda is cuda:0, or
+    the process's LOCAL_RANK GPU under a launcher."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        cli._resolve_device("cuda:2", E.Dist())
+    assert cli._resolve_device("cuda:1", E.Dist()) == "cuda:1"
+    assert cli._resolve_device("cuda", E.Dist()) == "cuda:0"
+    assert cli._resolve_device("cuda", E.Dist(rank=1, world=2)) == "cuda:1"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli._resolve_device("cuda", E.Dist()) == "cuda:1"
+    assert cli._resolve_device("cpu", E.Dist()) == "cpu"
+
+
 def test_window_longer_than_context(tiny, capsys):
     rc, _, err = _run(capsys, "eval", tiny, "--max-tokens", "4096", "--window", "4096", "--decode-tokens", "0",
                       "--no-progress")
