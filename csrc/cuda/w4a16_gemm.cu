@@ -7,6 +7,18 @@
 #include "w4a16_launch.h"
 #include "w4a16_math.cuh"
 
+// HF_W4_CUDA_EMULATE: built by g++ against tests/kernels/cuda_emu (a CPU stand-in for the runtime, the intrinsics and
+// the PTX below), which runs the kernels on machines without a GPU for tests/kernels/test_cuda_emulated.py
+#if defined(HF_W4_CUDA_EMULATE)
+#define HF_W4_DEVICE_CODE 1
+#define HF_W4_LAUNCH(kernel, grid, block, smem, stream) hf_w4_emu::launch(kernel, grid, block, smem)
+#else
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define HF_W4_DEVICE_CODE 1
+#endif
+#define HF_W4_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
 namespace hf_w4 {
 namespace cuda {
 namespace {
@@ -44,31 +56,52 @@ template <> struct DevAct<true> : DevBF16 {};
 
 // 16 bytes read once by one lane: through L2 only, no L1 allocation
 __device__ __forceinline__ uint4 ld_stream(const int32_t* p) {
+#if defined(HF_W4_CUDA_EMULATE)
+  return hf_w4_emu::ld_stream(p);
+#else
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
+#endif
 }
 
 // Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), its commit group and the wait for all
 // but the N most recent groups (the copies become visible to the issuing thread)
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::cp_async16(smem, gmem);
+#else
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+#endif
 }
 // the same copy, or 16 zero bytes (nothing read) where !full
 __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool full) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::cp_async16(smem, gmem, full);
+#else
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+#endif
 }
+#if defined(HF_W4_CUDA_EMULATE)  // the copies above are done when issued
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#else
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+#endif
 
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::mma16816<BF16>(c, a, b0, b1);
+#else
   if constexpr (BF16) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                  "{%8, %9}, {%0, %1, %2, %3};"
@@ -80,6 +113,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#endif
 }
 
 // One lane's weights, scales and zero points for one (k16 step, 64-column tile)
@@ -257,7 +291,7 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
 template <int MT, int MR, bool BF16, int KIND>
 __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                          const int steps_per_split) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(HF_W4_DEVICE_CODE)
   using A = DevAct<BF16>;
   using Slot = ChunkSlot<MT, MR, KIND>;
   constexpr int BM = 16 * MT;
@@ -405,7 +439,7 @@ constexpr int kDqSteps = 8;
 
 template <bool BF16, int KIND>
 __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const GemmArgs a, const int ntiles, uint16_t* w) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(HF_W4_DEVICE_CODE)
   using A = DevAct<BF16>;
   constexpr int kRowWords = kDqSteps * 8 + 4;  // k pairs per row, + 4 words: the lanes of a store hit 32 banks
   __shared__ __align__(16) uint32_t tile[64 * kRowWords];
@@ -447,8 +481,9 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
 template <int MT, int MR, bool BF16, int KIND>
 void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   const dim3 grid(p.mblocks, p.ntiles, p.splits);
-  w4a16_gemm_kernel<MT, MR, BF16, KIND><<<grid, 128, ring_bytes<MT, MR, KIND>(), stream>>>(a, p.ntiles, p.splits,
-                                                                                          p.steps_per_split);
+  const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
+  const int bytes = ring_bytes<MT, MR, KIND>();
+  HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
 }
 
 template <int MT, int MR, bool BF16, int KIND>
@@ -499,9 +534,10 @@ template <bool BF16>
 void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_t stream) {
   const dim3 grid(ntiles, (a.k / 16 + kDqSteps - 1) / kDqSteps);
   constexpr int threads = 32 * kDqSteps;
-  if (a.kind == kNvfp4) w4a16_dequant_kernel<BF16, kNvfp4><<<grid, threads, 0, stream>>>(a, ntiles, w);
-  else if (a.kind == kInt4Asym) w4a16_dequant_kernel<BF16, kInt4Asym><<<grid, threads, 0, stream>>>(a, ntiles, w);
-  else w4a16_dequant_kernel<BF16, kInt4Sym><<<grid, threads, 0, stream>>>(a, ntiles, w);
+  const auto kernel = a.kind == kNvfp4      ? w4a16_dequant_kernel<BF16, kNvfp4>
+                      : a.kind == kInt4Asym ? w4a16_dequant_kernel<BF16, kInt4Asym>
+                                            : w4a16_dequant_kernel<BF16, kInt4Sym>;
+  HF_W4_LAUNCH(kernel, grid, threads, 0, stream)(a, ntiles, w);
 }
 
 }  // namespace

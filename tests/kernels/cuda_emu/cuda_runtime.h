@@ -1,0 +1,391 @@
+// A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that csrc/cuda/w4a16_gemm.cu uses, so
+// that g++ can build the kernels unchanged (the file takes HF_W4_CUDA_EMULATE branches only for its inline PTX) and
+// tests/kernels/test_cuda_emulated.py can run them on machines without a GPU. Found before the toolkit's headers
+// through the include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
+//
+// Each block runs as one fiber per thread (ucontext) on the calling thread, blocks one after another. Fibers switch
+// only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads /
+// __syncwarp wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a
+// barrier that can never complete aborts with a message. mma.sync m16n8k16 and __shfl_sync are warp collectives:
+// the lanes deposit their registers, meet, and each computes its own result from the warp's. cp.async copies at once
+// (waits are then trivially satisfied). Half-precision arithmetic rounds once to nearest even from the exact fp32
+// result, as the device does for these operands; the mma sums its 16 products in fp32 in k order (the hardware's
+// order is not specified, which the tests' error budgets allow for). Not modelled: timing, memory ordering between
+// blocks (blocks do not run concurrently here), hardware-specific handling of special values.
+#pragma once
+#define HF_W4_CUDA_EMULATE 1
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ thread_local
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) float2 { float x, y; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
+// ---- runtime API: what the launch code calls
+typedef void* cudaStream_t;
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize, cudaFuncAttributePreferredSharedMemoryCarveout };
+enum { cudaSharedmemCarveoutMaxShared = 100 };
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+template <class F>
+cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+// an H100's shared memory (228 KB per SM, 1 KB reserved per block), at most 8 resident blocks
+template <class F>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, F, int, size_t smem) {
+  const size_t per = smem + 1024;
+  *n = (int)std::min<size_t>(8, (228u << 10) / per);
+  return cudaSuccess;
+}
+
+namespace hf_w4_emu {
+
+constexpr size_t kSharedBytes = 228u << 10;
+constexpr size_t kStackBytes = 64u << 10;
+
+struct Fiber {
+  ucontext_t ctx;
+  bool done = false;
+};
+
+struct WarpSlots {  // what the lanes of a warp deposit for a collective
+  uint32_t a[32][4], b[32][2];
+  uint32_t v[32];
+};
+
+struct BlockState {
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  int current = 0, threads = 0, exited = 0;
+  uint64_t events = 0;  // arrivals, passes, exits: progress for the deadlock check
+  // block barrier
+  int block_arrived = 0;
+  uint64_t block_gen = 0;
+  int block_or = 0;
+  std::map<uint64_t, int> block_or_result;
+  // warp barriers
+  int warp_arrived[32] = {}, warp_exited[32] = {};
+  uint64_t warp_gen[32] = {};
+  WarpSlots warp[32];
+  std::function<void()> body;
+};
+
+inline BlockState*& block() {
+  static BlockState* b = nullptr;
+  return b;
+}
+inline dim3& thread_idx() { static dim3 v; return v; }
+inline dim3& block_idx() { static dim3 v; return v; }
+inline dim3& block_dim() { static dim3 v; return v; }
+inline dim3& grid_dim() { static dim3 v; return v; }
+
+inline int tid() { return (int)thread_idx().x; }
+inline void yield() {
+  BlockState* b = block();
+  swapcontext(&b->fibers[b->current].ctx, &b->scheduler);
+}
+
+// Open the block's / warp w's barrier where every thread has arrived or exited (an exit can complete one too)
+inline void release_block(BlockState* b) {
+  if (b->block_arrived > 0 && b->block_arrived + b->exited == b->threads) {
+    b->block_or_result[b->block_gen] = b->block_or;
+    b->block_or = 0;
+    b->block_arrived = 0;
+    ++b->block_gen;
+  }
+}
+inline void release_warp(BlockState* b, int w) {
+  if (b->warp_arrived[w] > 0 && b->warp_arrived[w] + b->warp_exited[w] == std::min(32, b->threads - 32 * w)) {
+    b->warp_arrived[w] = 0;
+    ++b->warp_gen[w];
+  }
+}
+
+inline void fiber_main() {
+  BlockState* b = block();
+  b->body();
+  b->fibers[b->current].done = true;
+  ++b->exited;
+  ++b->warp_exited[tid() / 32];
+  ++b->events;
+  release_block(b);
+  release_warp(b, tid() / 32);
+  swapcontext(&b->fibers[b->current].ctx, &b->scheduler);  // never resumed
+}
+
+// Every live thread of the block arrives; returns the generation passed
+inline uint64_t block_barrier() {
+  BlockState* b = block();
+  const uint64_t gen = b->block_gen;
+  ++b->block_arrived;
+  ++b->events;
+  release_block(b);
+  while (b->block_gen == gen) yield();
+  ++b->events;
+  return gen;
+}
+inline void warp_barrier() {
+  BlockState* b = block();
+  const int w = tid() / 32;
+  const uint64_t gen = b->warp_gen[w];
+  ++b->warp_arrived[w];
+  ++b->events;
+  release_warp(b, w);
+  while (b->warp_gen[w] == gen) yield();
+  ++b->events;
+}
+
+// Runs body() as every thread of every block of the grid
+inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
+  const int threads = (int)(blk.x * blk.y * blk.z);
+  if (threads > 1024 || blk.y != 1 || blk.z != 1) {
+    std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) not supported\n", blk.x, blk.y, blk.z);
+    std::abort();
+  }
+  grid_dim() = grid;
+  block_dim() = blk;
+  std::unique_ptr<char[]> stacks(new char[threads * kStackBytes]);  // the fibers' stacks, reused block after block
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        BlockState b;
+        b.threads = threads;
+        b.body = body;
+        b.fibers.resize(threads);
+        block() = &b;
+        block_idx() = dim3(x, y, z);
+        for (int t = 0; t < threads; ++t) {
+          Fiber& f = b.fibers[t];
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = stacks.get() + t * kStackBytes;
+          f.ctx.uc_stack.ss_size = kStackBytes;
+          f.ctx.uc_link = nullptr;
+          makecontext(&f.ctx, fiber_main, 0);
+        }
+        while (b.exited < threads) {
+          const uint64_t before = b.events;
+          for (int t = 0; t < threads; ++t) {
+            if (b.fibers[t].done) continue;
+            b.current = t;
+            thread_idx() = dim3(t);
+            swapcontext(&b.scheduler, &b.fibers[t].ctx);
+          }
+          if (b.events == before) {
+            std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) deadlocked at a barrier\n", x, y, z);
+            std::abort();
+          }
+        }
+        block() = nullptr;
+      }
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...)
+template <class K>
+auto launch(K kernel, dim3 grid, dim3 blk, size_t smem) {
+  return [=](auto... args) {
+    if (smem > kSharedBytes) {
+      std::fprintf(stderr, "hf_w4 CUDA emulation: %zu bytes of dynamic shared memory\n", smem);
+      std::abort();
+    }
+    run_grid(grid, blk, [&] { kernel(args...); });
+  };
+}
+
+// ---- fp16 / bf16 bit patterns (round to nearest even once from fp32)
+inline float f16_to_float(uint32_t b) {
+  const uint32_t e = (b >> 10) & 31u, m = b & 1023u;
+  const float mag = e == 0 ? std::ldexp((float)m, -24)
+                           : (e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(1024u + m), (int)e - 25));
+  return (b & 0x8000u) ? -mag : mag;
+}
+inline uint16_t float_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520: inf
+  if (ax < 0x38800000u) {
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
+  }
+  const uint32_t m = ax & 0x7fffffu, rem = m & 0x1fffu;
+  uint32_t h = (((ax >> 23) - 127u + 15u) << 10) | (m >> 13);
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return (uint16_t)(sign | h);
+}
+inline float bf16_to_float(uint32_t b) {
+  const uint32_t u = (b & 0xffffu) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// ---- the PTX of w4a16_gemm.cu
+inline uint4 ld_stream(const int32_t* p) {
+  uint4 r;
+  std::memcpy(&r, p, 16);
+  return r;
+}
+inline void cp_async16(void* smem, const void* gmem, bool full = true) {
+  if (full) std::memcpy(smem, gmem, 16);
+  else std::memset(smem, 0, 16);
+}
+
+// D = A (16 x 16, row) x B (16 x 8, col) + C over the warp's fragments (PTX ISA, mma.m16n8k16 with .f16 / .bf16)
+template <bool BF16>
+void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  BlockState* bs = block();
+  const int lane = tid() & 31;
+  WarpSlots& w = bs->warp[tid() / 32];
+  for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+  w.b[lane][0] = b0;
+  w.b[lane][1] = b1;
+  warp_barrier();
+  auto half = [](uint32_t v, int h) {
+    const uint32_t bits = (v >> (16 * h)) & 0xffffu;
+    return BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+  };
+  auto A = [&](int row, int k) {  // a0 (g, 2t..), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..)
+    return half(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
+  };
+  auto B = [&](int k, int col) {  // b0 (k 2t, 2t + 1; col g), b1 (k 2t + 8, 2t + 9; col g)
+    return half(w.b[4 * col + (k % 8) / 2][k >= 8], k % 2);
+  };
+  float d[4];
+  const int g = lane >> 2, t = lane & 3;
+  for (int r = 0; r < 4; ++r) {
+    const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
+    float s = c[r];
+    for (int k = 0; k < 16; ++k) s = std::fmaf(A(row, k), B(k, col), s);
+    d[r] = s;
+  }
+  warp_barrier();  // every lane has read the deposits
+  for (int r = 0; r < 4; ++r) c[r] = d[r];
+}
+
+}  // namespace hf_w4_emu
+
+#define threadIdx (hf_w4_emu::thread_idx())
+#define blockIdx (hf_w4_emu::block_idx())
+#define blockDim (hf_w4_emu::block_dim())
+#define gridDim (hf_w4_emu::grid_dim())
+
+inline void __syncthreads() { hf_w4_emu::block_barrier(); }
+inline int __syncthreads_or(int pred) {
+  hf_w4_emu::BlockState* b = hf_w4_emu::block();
+  b->block_or |= pred != 0;
+  const uint64_t gen = hf_w4_emu::block_barrier();
+  return b->block_or_result[gen];
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { hf_w4_emu::warp_barrier(); }
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+template <class T>
+T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) == 4, "32-bit values");
+  hf_w4_emu::BlockState* b = hf_w4_emu::block();
+  hf_w4_emu::WarpSlots& w = b->warp[hf_w4_emu::tid() / 32];
+  std::memcpy(&w.v[hf_w4_emu::tid() & 31], &v, 4);
+  hf_w4_emu::warp_barrier();
+  T r;
+  std::memcpy(&r, &w.v[src & 31], 4);
+  hf_w4_emu::warp_barrier();
+  return r;
+}
+template <class T>
+T __ldg(const T* p) { return *p; }
+template <class T>
+T __ldcg(const T* p) { return *p; }
+template <class T>
+void __stcg(T* p, T v) { *p = v; }
+
+// ---- cuda_fp16.h / cuda_bf16.h: the types and intrinsics the kernels use
+struct __half { uint16_t x; };
+struct __half2 { uint16_t x, y; };
+struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat162 { uint16_t x, y; };
+
+inline float __half2float(__half h) { return hf_w4_emu::f16_to_float(h.x); }
+inline __half __float2half_rn(float f) { return __half{hf_w4_emu::float_to_f16(f)}; }
+inline __half __ushort_as_half(unsigned short v) { return __half{v}; }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline float2 __half22float2(__half2 h) { return float2{hf_w4_emu::f16_to_float(h.x), hf_w4_emu::f16_to_float(h.y)}; }
+inline __half2 __float22half2_rn(float2 f) { return __half2{hf_w4_emu::float_to_f16(f.x), hf_w4_emu::float_to_f16(f.y)}; }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+  return __float22half2_rn(float2{hf_w4_emu::f16_to_float(a.x) - hf_w4_emu::f16_to_float(b.x),
+                                  hf_w4_emu::f16_to_float(a.y) - hf_w4_emu::f16_to_float(b.y)});
+}
+inline __half2 __hmul2(__half2 a, __half2 b) {
+  return __float22half2_rn(float2{hf_w4_emu::f16_to_float(a.x) * hf_w4_emu::f16_to_float(b.x),
+                                  hf_w4_emu::f16_to_float(a.y) * hf_w4_emu::f16_to_float(b.y)});
+}
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  using hf_w4_emu::f16_to_float;
+  return __float22half2_rn(float2{std::fmaf(f16_to_float(a.x), f16_to_float(b.x), f16_to_float(c.x)),
+                                  std::fmaf(f16_to_float(a.y), f16_to_float(b.y), f16_to_float(c.y))});
+}
+
+inline float __bfloat162float(__nv_bfloat16 h) { return hf_w4_emu::bf16_to_float(h.x); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{hf_w4_emu::float_to_bf16(f)}; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short v) { return __nv_bfloat16{v}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+  return float2{hf_w4_emu::bf16_to_float(h.x), hf_w4_emu::bf16_to_float(h.y)};
+}
+inline __nv_bfloat162 __float22bfloat162_rn(float2 f) {
+  return __nv_bfloat162{hf_w4_emu::float_to_bf16(f.x), hf_w4_emu::float_to_bf16(f.y)};
+}
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return __float22bfloat162_rn(float2{hf_w4_emu::bf16_to_float(a.x) - hf_w4_emu::bf16_to_float(b.x),
+                                      hf_w4_emu::bf16_to_float(a.y) - hf_w4_emu::bf16_to_float(b.y)});
+}
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return __float22bfloat162_rn(float2{hf_w4_emu::bf16_to_float(a.x) * hf_w4_emu::bf16_to_float(b.x),
+                                      hf_w4_emu::bf16_to_float(a.y) * hf_w4_emu::bf16_to_float(b.y)});
+}
+
+// the kernels' dynamic shared memory (extern __shared__ uint4 smem[] in w4a16_gemm.cu's namespace)
+namespace hf_w4 {
+namespace cuda {
+namespace {
+thread_local uint4 smem[hf_w4_emu::kSharedBytes / 16];
+}  // namespace
+}  // namespace cuda
+}  // namespace hf_w4

@@ -1,0 +1,101 @@
+// csrc/cuda/w4a16_gemm.cu built for the CPU against this folder's stand-in for CUDA (cuda_runtime.h), as a ctypes
+// library for tests/kernels/test_cuda_emulated.py: the fused kernel and the dequantize kernel on host buffers. Every
+// buffer the kernels get is a copy that ends where an inaccessible page begins, so a read or write past its end
+// faults instead of touching a neighbour's bytes.
+#include "cuda_runtime.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "w4a16_gemm.cu"
+
+using namespace hf_w4::cuda;
+
+namespace {
+
+struct Guarded {
+  char* base = nullptr;
+  size_t len = 0;
+  void* data = nullptr;
+  Guarded(const void* src, size_t bytes) {
+    if (!src && !bytes) return;
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), body = (bytes + page - 1) / page * page;
+    len = body + page;
+    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED || mprotect(static_cast<char*>(m) + body, page, PROT_NONE) != 0) std::abort();
+    base = static_cast<char*>(m);
+    data = base + body - bytes;
+    if (src) std::memcpy(data, src, bytes);
+  }
+  Guarded(const Guarded&) = delete;
+  ~Guarded() {
+    if (base) munmap(base, len);
+  }
+};
+
+// bytes of the kernel layout's buffers (w4a16_math.cuh)
+size_t qpack_bytes(int npad, int k) { return (size_t)npad / 64 * (k / 16) * 512; }
+size_t scale_bytes(int npad, int k, int gs, int kind) {
+  return kind == kNvfp4 ? (size_t)npad / 64 * (k / 16) * 64 : (size_t)npad / 64 * (k / gs) * 64 * 2;
+}
+size_t zero_bytes(int npad, int k, int gs, int kind) { return kind == kInt4Asym ? (size_t)npad / 64 * (k / gs) * 64 : 0; }
+
+}  // namespace
+
+extern "C" {
+
+// y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `slots` resident blocks (an H100:
+// 132 SMs x the kernel's blocks per SM) or with mt forced (0: the rule); the plan's splits in *splits
+int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
+                   void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
+                   int mt, int* splits) {
+  const int npad = (n + 63) / 64 * 64;
+  const int pmt = mt ? mt : plan_mt(m, k);
+  const int bps = w4a16_gemm_blocks_per_sm(pmt, plan_rows(m, pmt), bf16 != 0, kind);
+  const GemmPlan plan = plan_gemm(m, npad, k, sms * bps, mt);
+  *splits = plan.splits;
+  const int gs = kind == kNvfp4 ? 16 : group_size;
+  Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
+      gz(kind == kInt4Asym ? zeros : nullptr, zero_bytes(npad, k, gs, kind)), gb(bias, bias ? (size_t)n * 2 : 0),
+      gy(y, (size_t)m * n * 2), gw(nullptr, (size_t)plan.ws_floats * 4), gc(nullptr, (size_t)plan.counters * 4);
+  GemmArgs a{};
+  a.x = gx.data;
+  a.qpack = static_cast<const int32_t*>(gq.data);
+  a.scales = gsc.data;
+  a.zeros = static_cast<const uint8_t*>(gz.data);
+  a.bias = gb.data;
+  a.y = gy.data;
+  a.workspace = static_cast<float*>(gw.data);
+  a.counters = static_cast<int*>(gc.data);
+  a.m = m;
+  a.n = n;
+  a.npad = npad;
+  a.k = k;
+  a.group_size = gs;
+  a.group_shift = -1;
+  for (int b = 0; b < 31; ++b)
+    if (a.group_size / 16 == 1 << b) a.group_shift = b;
+  a.global_scale = global_scale;
+  a.kind = kind;
+  a.bf16 = bf16 != 0;
+  if (w4a16_gemm(a, plan, nullptr) != cudaSuccess) return -1;
+  std::memcpy(y, gy.data, (size_t)m * n * 2);
+  for (int i = 0; i < plan.counters; ++i)  // the kernel leaves every split-K counter zero
+    if (static_cast<int*>(gc.data)[i]) return -2;
+  return 0;
+}
+
+int hf_w4_emu_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int k,
+                      int group_size, float global_scale, int kind, int bf16) {
+  const int npad = (n + 63) / 64 * 64, gs = kind == kNvfp4 ? 16 : group_size;
+  Guarded gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
+      gz(kind == kInt4Asym ? zeros : nullptr, zero_bytes(npad, k, gs, kind)), gw(nullptr, (size_t)n * k * 2);
+  if (w4a16_dequant(static_cast<const int32_t*>(gq.data), gsc.data, static_cast<const uint8_t*>(gz.data), gw.data, n,
+                    npad, k, gs, global_scale, kind, bf16 != 0, nullptr) != cudaSuccess)
+    return -1;
+  std::memcpy(w, gw.data, (size_t)n * k * 2);
+  return 0;
+}
+}

@@ -1,0 +1,150 @@
+"""The CUDA kernels of csrc/cuda/w4a16_gemm.cu run on the CPU: g++ builds the file against tests/kernels/cuda_emu (a
+stand-in for the CUDA runtime, the intrinsics and the kernels' PTX: one fiber per thread, mma.sync and shuffles as
+warp collectives, barriers that wait for every live thread) and the fused and dequantize kernels run on buffers the
+layer's own repack wrote. What this checks on machines without a GPU: the kernels' indexing, work split, ring of
+chunks, split-K fix-up, masking of rows past M and of the short last chunk, and the dequantization in place, for every
+layout and group size, fp16 and bf16. The kernels get copies of their buffers that end at an inaccessible page, so
+a read or write past a buffer's end stops the test process with a segmentation fault. Not what a GPU adds (timing,
+memory ordering, the hardware's rounding of special values, sm_89's E4M3 conversion): tests/gpu/ runs the same
+kernels there.
+
+Error budget as tests/gpu/test_gpu_kernels.py (u = 2^-11 fp16, 2^-8 bf16; A = |x| @ |Wk|^T): |y - x @ Wk^T| <= u *
+|x @ Wk^T| + 1e-5 * A, Wk the weight the kernels multiply by (tests/qweight_cases.kernel_dtype_weight). The
+dequantize kernel's weight equals Wk (with NVFP4's global scale) bit for bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight
+from hf_w4.kernels import cuda_w4a16 as cw
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EMU = os.path.join(ROOT, "tests", "kernels", "cuda_emu")
+U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
+SMS = 132  # an H100's SMs: the split-K plans of the GPU
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found: the emulated CUDA kernels cannot be built")
+    out = tmp_path_factory.mktemp("cuda_emu") / "libw4a16_emu.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-shared",
+           "-fPIC", "-I", EMU, "-I", os.path.join(ROOT, "csrc", "cuda"), os.path.join(EMU, "w4a16_emu.cpp"), "-o",
+           str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+    lib = ctypes.CDLL(str(out))
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int,
+                                                                                ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
+                                                                                     ctypes.c_int]
+    return lib
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+class Layer:
+    """A layer's CUDA buffers, prepared on the CPU by the kernel class's own repack."""
+
+    def __init__(self, case, gs, n, k, seed):
+        _, layout, sym, ao, zp1 = case
+        self.spec, self.qw = make_qweight(layout, n, k, gs, sym, ao, zp1, seed=seed)
+        self.module = torch.nn.Module()
+        self.kern = cw.CudaW4A16Kernel(self.spec, n, k)
+        self.kern.prepare(self.module, self.qw)
+        b = self.module._buffers
+        self.q, self.z, self.perm = b["cuda_w4a16_q"], b["cuda_w4a16_z"], b["cuda_w4a16_perm"]
+        self.nv = self.qw.weight_type == "nvfp4"
+        self.kind = 2 if self.nv else (1 if self.z is not None else 0)
+        self.n, self.k = n, k
+
+    def scales(self, dtype):
+        return self.kern._scales(self.module._buffers, dtype)
+
+    def gemm(self, lib, x, dtype, bias=None, mt=0):
+        xp = (x if self.perm is None else x[:, self.perm]).contiguous()
+        y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
+        splits = ctypes.c_int(0)
+        rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
+                                x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
+                                int(dtype == torch.bfloat16), self.kern.global_scale, SMS, mt, ctypes.byref(splits))
+        assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
+        return y, splits.value
+
+
+def _check(y, x, wk, scale, bias, u, what):
+    ref = (x.float() @ wk.float().t()) * scale
+    a = (x.float().abs() @ wk.float().abs().t()) * abs(scale)
+    if bias is not None:
+        ref = ref + bias.float()
+    tol = u * ref.abs() + 1e-5 * a + 1e-30
+    err = (y.float() - ref).abs()
+    assert torch.isfinite(y).all(), f"{what}: non-finite output (rows or columns left unwritten?)"
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the budget; worst err "
+                           f"{float((err - tol).max()):.3e} over, at {tuple(int(v) for v in bad.nonzero()[0])}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
+def test_fused_kernel_emulated(emu, case, gs, dtype):
+    """Every layout and group size: M across the tilings (MR = 8 rings up to 8 rows, one and two m16 tiles per
+    block, several m-blocks), split-K and not, a bias, and K with an odd number of k16 steps."""
+    u = U[dtype]
+    shapes = [(192, 576 if gs != 128 else 640)]
+    if gs in (16, -1):
+        shapes.append((136, 592))  # 37 k16 steps: the last two-step chunk is short
+    for n, k in shapes:
+        layer = Layer(case, gs, n, k, seed=n + k)
+        wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
+        g = layer.kern.global_scale if layer.nv else 1.0
+        gen = torch.Generator().manual_seed(k)
+        bias = (torch.randn(n, generator=gen) * 0.1).to(dtype) if n == 136 else None
+        for m in (1, 3, 9, 33):
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            y, splits = layer.gemm(emu, x, dtype, bias)
+            _check(y, x, wk, g, bias, u, f"{case[0]} g{gs} {dtype} N={n} K={k} M={m} splits={splits}")
+
+
+@pytest.mark.parametrize("mt", [1, 2])
+def test_fused_kernel_tilings_and_split_k_emulated(emu, mt):
+    """Both m16 tilings forced at M = 1-40 over several m-blocks; with and without split-K (K = 2048 splits, the
+    wide N does not); the same inputs give the same bits twice."""
+    case = next(c for c in LAYOUTS if c[1] == "gptq")
+    for n, k in ((128, 2048), (1024, 256)):
+        layer = Layer(case, 128, n, k, seed=7)
+        wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        for m in (1, 17, 40):
+            y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)
+            _check(y, x[:m], wk, 1.0, None, U[torch.bfloat16], f"mt={mt} N={n} K={k} M={m} splits={splits}")
+            assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)[0]), "two runs differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case,gs", LAYOUT_GROUPS[::3] + [c for c in LAYOUT_GROUPS if "nvfp4" in c[0][1]],
+                         ids=lambda v: str(v[0]) if isinstance(v, tuple) else str(v))
+def test_dequantize_kernel_emulated(emu, case, gs, dtype):
+    """The large-M path's dense weight is the kernels' weight (NVFP4 with its global scale) bit for bit."""
+    n, k = 136, 576 if gs != 128 else 640
+    layer = Layer(case, gs, n, k, seed=3)
+    w = torch.empty(n, k, dtype=dtype)
+    assert emu.hf_w4_emu_dequant(_ptr(layer.q), _ptr(layer.scales(dtype)), _ptr(layer.z), _ptr(w), n, k,
+                                 layer.kern.group_size, layer.kern.global_scale, layer.kind,
+                                 int(dtype == torch.bfloat16)) == 0
+    want = kernel_dtype_weight(layer.qw, dtype)
+    if layer.perm is not None:  # the kernel's column k' is the checkpoint's column perm[k']
+        want = want[:, layer.perm]
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))
