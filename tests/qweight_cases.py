@@ -1,5 +1,6 @@
-"""Random layers shared by the CPU kernel tests, tests/kernels/test_cuda_w4a16.py and tests/gpu/: one per checkpoint
-layout, written with layouts.pack and read back with layouts.to_qweight, as a checkpoint loader would."""
+"""Random layers shared by the CPU kernel tests, tests/kernels/test_cuda_*.py and tests/gpu/: one per checkpoint
+layout, written with layouts.pack and read back with layouts.to_qweight, as a checkpoint loader would; and the
+CUDA kernels' error budget."""
 from __future__ import annotations
 
 import torch
@@ -59,3 +60,20 @@ def kernel_dtype_weight(qw: layouts.QWeight, dtype: torch.dtype, global_scale: b
     else:
         q = dataclasses.replace(qw, scales=qw.scales.to(dtype).float())
     return layouts.dequantize(q).to(dtype)
+
+
+def check_kernel_output(y, x, wk, scale, bias, u, dense, what):
+    """A CUDA kernel's y = x @ Wk^T * scale (+ bias) against the exact product, elementwise (tests/gpu/ and the
+    emulated kernels): the products are exact in the mma and summed in fp32, the result rounds once to x's dtype (u =
+    2^-11 fp16, 2^-8 bf16), so |y - ref| <= u * |ref| + 1e-5 * |x| @ |Wk|^T; a dense path's GEMM may reduce in x's
+    dtype: + 4u * |x| @ |Wk|^T there."""
+    ref = (x.float() @ wk.float().t()) * scale
+    a = (x.float().abs() @ wk.float().abs().t()) * abs(scale)
+    if bias is not None:
+        ref = ref + bias.float()
+    tol = u * ref.abs() + (1e-5 + (4 * u if dense else 0.0)) * a + 1e-30
+    err = (y.float() - ref).abs()
+    assert torch.isfinite(y).all(), f"{what}: non-finite output"
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the budget; worst err "
+                           f"{float((err - tol).max()):.3e} over, at {tuple(int(v) for v in bad.nonzero()[0])}")

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): GPU tests need one", allow_module_level=True)
 
 from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight  # noqa: E402
+from qweight_cases import check_kernel_output  # noqa: E402
 from hf_w4.kernels import cuda_w4a16 as cw  # noqa: E402
 
 MS = (1, 3, 16, 64, 257, 2048)
@@ -40,19 +41,6 @@ def _layer(spec, qw):
     kern = cw.CudaW4A16Kernel(spec, qw.n, qw.k)
     kern.prepare(layer, qw)
     return kern, layer
-
-
-def _check(y, x, wk, scale, bias, u, dense, what):
-    ref = (x.float() @ wk.float().t()) * scale
-    a = (x.float().abs() @ wk.float().abs().t()) * abs(scale)
-    if bias is not None:
-        ref = ref + bias.float()
-    tol = u * ref.abs() + (1e-5 + (4 * u if dense else 0.0)) * a + 1e-30
-    err = (y.float() - ref).abs()
-    assert torch.isfinite(y).all(), f"{what}: non-finite output"
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the budget; worst err "
-                           f"{float((err - tol).max()):.3e} over, at {tuple(int(v) for v in bad.nonzero()[0])}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -81,14 +69,15 @@ def test_kernels_against_exact_weights(case, gs, dtype):
             xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
             y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"],
                                                 bias, n, kern.group_size, kern.weight_type, kern.global_scale)
-            _check(y, x, w_fused, g, bias, u, False, "fused " + what)
+            check_kernel_output(y, x, w_fused, g, bias, u, False, "fused " + what)
             y2 = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"],
                                                  bias, n, kern.group_size, kern.weight_type, kern.global_scale)
             assert torch.equal(y, y2), f"fused {what}: two runs differ (split-K must be deterministic)"
             ya = kern.apply(layer, x.view(1, m, k), bias)
             assert ya.shape == (1, m, n) and ya.dtype == dtype
             dense = m >= kern.large_m
-            _check(ya[0], x, w_dense if dense else w_fused, 1.0 if dense else g, bias, u, dense, "apply " + what)
+            check_kernel_output(ya[0], x, w_dense if dense else w_fused, 1.0 if dense else g, bias, u, dense,
+                                "apply " + what)
         torch.cuda.synchronize()
 
 
@@ -102,7 +91,7 @@ def test_nvfp4_fp16_large_global_scale_does_not_overflow():
     x = torch.full((4, 256), 30.0, device="cuda", dtype=torch.float16)
     y = kern.apply(layer, x, None)
     wk = kernel_dtype_weight(qw, torch.float16, global_scale=False)
-    _check(y, x, wk, 1e-4, None, 2.0 ** -11, False, "nvfp4 big scales")
+    check_kernel_output(y, x, wk, 1e-4, None, 2.0 ** -11, False, "nvfp4 big scales")
 
 
 def test_bf16_small_e4m3_scales_do_not_underflow():
@@ -113,7 +102,7 @@ def test_bf16_small_e4m3_scales_do_not_underflow():
     y = kern.apply(layer, x, None)
     wk = kernel_dtype_weight(qw, torch.bfloat16, global_scale=False)
     assert wk.abs().max() > 0
-    _check(y, x, wk, kern.global_scale, None, 2.0 ** -8, False, "nvfp4 tiny scales")
+    check_kernel_output(y, x, wk, kern.global_scale, None, 2.0 ** -8, False, "nvfp4 tiny scales")
     assert y.abs().max() > 0
 
 
@@ -214,7 +203,7 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
         x = torch.randn(m, 592, device="cuda").to(dtype)
         y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
                                             kern.group_size, "int4", 1.0)
-        _check(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} M={m}")
+        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} M={m}")
     monkeypatch.setenv("HF_W4_CUDA_MT", "4")
     with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='4': expected 1 or 2"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)

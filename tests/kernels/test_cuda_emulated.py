@@ -8,9 +8,9 @@ a read or write past a buffer's end stops the test process with a segmentation f
 memory ordering, the hardware's rounding of special values, sm_89's E4M3 conversion): tests/gpu/ runs the same
 kernels there.
 
-Error budget as tests/gpu/test_gpu_kernels.py (u = 2^-11 fp16, 2^-8 bf16; A = |x| @ |Wk|^T): |y - x @ Wk^T| <= u *
-|x @ Wk^T| + 1e-5 * A, Wk the weight the kernels multiply by (tests/qweight_cases.kernel_dtype_weight). The
-dequantize kernel's weight equals Wk (with NVFP4's global scale) bit for bit.
+Error budget as on a GPU (tests/qweight_cases.check_kernel_output): |y - x @ Wk^T| <= u * |x @ Wk^T| + 1e-5 *
+|x| @ |Wk|^T (u = 2^-11 fp16, 2^-8 bf16), Wk the weight the kernels multiply by (kernel_dtype_weight). The dequantize
+kernel's weight equals Wk (with NVFP4's global scale) bit for bit.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import subprocess
 import pytest
 import torch
 
-from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight
+from qweight_cases import GROUPS, LAYOUTS, check_kernel_output, kernel_dtype_weight, make_qweight
 from hf_w4.kernels import cuda_w4a16 as cw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,13 +39,13 @@ def emu(tmp_path_factory):
         pytest.skip("g++ not found: the emulated CUDA kernels cannot be built")
     out = tmp_path_factory.mktemp("cuda_emu") / "libw4a16_emu.so"
     cmd = [cxx, "-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-shared",
-           "-fPIC", "-I", EMU, "-I", os.path.join(ROOT, "csrc", "cuda"), os.path.join(EMU, "w4a16_emu.cpp"), "-o",
-           str(out)]
+           "-fPIC", "-I", EMU, "-I", os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu"),
+           os.path.join(EMU, "w4a16_emu.cpp"), "-o", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     lib = ctypes.CDLL(str(out))
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int,
-                                                                                ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2 + \
+        [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -84,19 +84,6 @@ class Layer:
         return y, splits.value
 
 
-def _check(y, x, wk, scale, bias, u, what):
-    ref = (x.float() @ wk.float().t()) * scale
-    a = (x.float().abs() @ wk.float().abs().t()) * abs(scale)
-    if bias is not None:
-        ref = ref + bias.float()
-    tol = u * ref.abs() + 1e-5 * a + 1e-30
-    err = (y.float() - ref).abs()
-    assert torch.isfinite(y).all(), f"{what}: non-finite output (rows or columns left unwritten?)"
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the budget; worst err "
-                           f"{float((err - tol).max()):.3e} over, at {tuple(int(v) for v in bad.nonzero()[0])}")
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
 def test_fused_kernel_emulated(emu, case, gs, dtype):
@@ -115,7 +102,8 @@ def test_fused_kernel_emulated(emu, case, gs, dtype):
         for m in (1, 3, 9, 33):
             x = torch.randn(m, k, generator=gen).to(dtype)
             y, splits = layer.gemm(emu, x, dtype, bias)
-            _check(y, x, wk, g, bias, u, f"{case[0]} g{gs} {dtype} N={n} K={k} M={m} splits={splits}")
+            check_kernel_output(y, x, wk, g, bias, u, False,
+                                f"{case[0]} g{gs} {dtype} N={n} K={k} M={m} splits={splits}")
 
 
 @pytest.mark.parametrize("mt", [1, 2])
@@ -129,7 +117,8 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt):
         x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for m in (1, 17, 40):
             y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)
-            _check(y, x[:m], wk, 1.0, None, U[torch.bfloat16], f"mt={mt} N={n} K={k} M={m} splits={splits}")
+            check_kernel_output(y, x[:m], wk, 1.0, None, U[torch.bfloat16], False,
+                                f"mt={mt} N={n} K={k} M={m} splits={splits}")
             assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)[0]), "two runs differ"
 
 

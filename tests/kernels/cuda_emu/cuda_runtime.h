@@ -17,6 +17,8 @@
 
 #include <ucontext.h>
 
+#include "common/convert.h"  // csrc/cpu: fp32 <-> fp16 / bf16 bits, rounding to nearest even
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -216,43 +218,6 @@ auto launch(K kernel, dim3 grid, dim3 blk, size_t smem) {
   };
 }
 
-// ---- fp16 / bf16 bit patterns (round to nearest even once from fp32)
-inline float f16_to_float(uint32_t b) {
-  const uint32_t e = (b >> 10) & 31u, m = b & 1023u;
-  const float mag = e == 0 ? std::ldexp((float)m, -24)
-                           : (e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(1024u + m), (int)e - 25));
-  return (b & 0x8000u) ? -mag : mag;
-}
-inline uint16_t float_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520: inf
-  if (ax < 0x38800000u) {
-    float a;
-    std::memcpy(&a, &ax, 4);
-    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
-  }
-  const uint32_t m = ax & 0x7fffffu, rem = m & 0x1fffu;
-  uint32_t h = (((ax >> 23) - 127u + 15u) << 10) | (m >> 13);
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return (uint16_t)(sign | h);
-}
-inline float bf16_to_float(uint32_t b) {
-  const uint32_t u = (b & 0xffffu) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
 // ---- the PTX of w4a16_gemm.cu
 inline uint4 ld_stream(const int32_t* p) {
   uint4 r;
@@ -275,8 +240,8 @@ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   w.b[lane][1] = b1;
   warp_barrier();
   auto half = [](uint32_t v, int h) {
-    const uint32_t bits = (v >> (16 * h)) & 0xffffu;
-    return BF16 ? bf16_to_float(bits) : f16_to_float(bits);
+    const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
+    return BF16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
   };
   auto A = [&](int row, int k) {  // a0 (g, 2t..), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..)
     return half(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
@@ -336,49 +301,53 @@ T __ldcg(const T* p) { return *p; }
 template <class T>
 void __stcg(T* p, T v) { *p = v; }
 
-// ---- cuda_fp16.h / cuda_bf16.h: the types and intrinsics the kernels use
+// ---- cuda_fp16.h / cuda_bf16.h: the types and intrinsics the kernels use; each operation rounds its exact fp32
+// result once (exact in fp32 for the kernels' operands)
 struct __half { uint16_t x; };
 struct __half2 { uint16_t x, y; };
 struct __nv_bfloat16 { uint16_t x; };
 struct __nv_bfloat162 { uint16_t x, y; };
 
-inline float __half2float(__half h) { return hf_w4_emu::f16_to_float(h.x); }
-inline __half __float2half_rn(float f) { return __half{hf_w4_emu::float_to_f16(f)}; }
+inline float __half2float(__half h) { return hf_w4::f16_bits_to_f32(h.x); }
+inline __half __float2half_rn(float f) { return __half{hf_w4::f32_to_f16_bits(f)}; }
 inline __half __ushort_as_half(unsigned short v) { return __half{v}; }
 inline unsigned short __half_as_ushort(__half h) { return h.x; }
-inline float2 __half22float2(__half2 h) { return float2{hf_w4_emu::f16_to_float(h.x), hf_w4_emu::f16_to_float(h.y)}; }
-inline __half2 __float22half2_rn(float2 f) { return __half2{hf_w4_emu::float_to_f16(f.x), hf_w4_emu::float_to_f16(f.y)}; }
-inline __half2 __hsub2(__half2 a, __half2 b) {
-  return __float22half2_rn(float2{hf_w4_emu::f16_to_float(a.x) - hf_w4_emu::f16_to_float(b.x),
-                                  hf_w4_emu::f16_to_float(a.y) - hf_w4_emu::f16_to_float(b.y)});
-}
-inline __half2 __hmul2(__half2 a, __half2 b) {
-  return __float22half2_rn(float2{hf_w4_emu::f16_to_float(a.x) * hf_w4_emu::f16_to_float(b.x),
-                                  hf_w4_emu::f16_to_float(a.y) * hf_w4_emu::f16_to_float(b.y)});
-}
-inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
-  using hf_w4_emu::f16_to_float;
-  return __float22half2_rn(float2{std::fmaf(f16_to_float(a.x), f16_to_float(b.x), f16_to_float(c.x)),
-                                  std::fmaf(f16_to_float(a.y), f16_to_float(b.y), f16_to_float(c.y))});
-}
+inline float2 __half22float2(__half2 h) { return float2{hf_w4::f16_bits_to_f32(h.x), hf_w4::f16_bits_to_f32(h.y)}; }
+inline __half2 __float22half2_rn(float2 f) { return __half2{hf_w4::f32_to_f16_bits(f.x), hf_w4::f32_to_f16_bits(f.y)}; }
 
-inline float __bfloat162float(__nv_bfloat16 h) { return hf_w4_emu::bf16_to_float(h.x); }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{hf_w4_emu::float_to_bf16(f)}; }
+inline float __bfloat162float(__nv_bfloat16 h) { return hf_w4::bf16_bits_to_f32(h.x); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{hf_w4::f32_to_bf16_bits(f)}; }
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short v) { return __nv_bfloat16{v}; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) {
-  return float2{hf_w4_emu::bf16_to_float(h.x), hf_w4_emu::bf16_to_float(h.y)};
+  return float2{hf_w4::bf16_bits_to_f32(h.x), hf_w4::bf16_bits_to_f32(h.y)};
 }
 inline __nv_bfloat162 __float22bfloat162_rn(float2 f) {
-  return __nv_bfloat162{hf_w4_emu::float_to_bf16(f.x), hf_w4_emu::float_to_bf16(f.y)};
+  return __nv_bfloat162{hf_w4::f32_to_bf16_bits(f.x), hf_w4::f32_to_bf16_bits(f.y)};
 }
-inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
-  return __float22bfloat162_rn(float2{hf_w4_emu::bf16_to_float(a.x) - hf_w4_emu::bf16_to_float(b.x),
-                                      hf_w4_emu::bf16_to_float(a.y) - hf_w4_emu::bf16_to_float(b.y)});
+
+namespace hf_w4_emu {
+inline float2 unpack(__half2 v) { return __half22float2(v); }
+inline float2 unpack(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+inline void pack(float2 f, __half2& r) { r = __float22half2_rn(f); }
+inline void pack(float2 f, __nv_bfloat162& r) { r = __float22bfloat162_rn(f); }
+// op on both lanes, computed in fp32 and rounded once
+template <class T, class Op>
+T lanewise(T a, T b, T c, Op op) {
+  const float2 x = unpack(a), y = unpack(b), z = unpack(c);
+  T r;
+  pack(float2{op(x.x, y.x, z.x), op(x.y, y.y, z.y)}, r);
+  return r;
 }
-inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
-  return __float22bfloat162_rn(float2{hf_w4_emu::bf16_to_float(a.x) * hf_w4_emu::bf16_to_float(b.x),
-                                      hf_w4_emu::bf16_to_float(a.y) * hf_w4_emu::bf16_to_float(b.y)});
+}  // namespace hf_w4_emu
+
+template <class T>
+T __hsub2(T a, T b) { return hf_w4_emu::lanewise(a, b, b, [](float x, float y, float) { return x - y; }); }
+template <class T>
+T __hmul2(T a, T b) { return hf_w4_emu::lanewise(a, b, b, [](float x, float y, float) { return x * y; }); }
+template <class T>
+T __hfma2(T a, T b, T c) {
+  return hf_w4_emu::lanewise(a, b, c, [](float x, float y, float z) { return std::fmaf(x, y, z); });
 }
 
 // the kernels' dynamic shared memory (extern __shared__ uint4 smem[] in w4a16_gemm.cu's namespace)

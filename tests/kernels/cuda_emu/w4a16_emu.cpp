@@ -40,7 +40,9 @@ size_t qpack_bytes(int npad, int k) { return (size_t)npad / 64 * (k / 16) * 512;
 size_t scale_bytes(int npad, int k, int gs, int kind) {
   return kind == kNvfp4 ? (size_t)npad / 64 * (k / 16) * 64 : (size_t)npad / 64 * (k / gs) * 64 * 2;
 }
-size_t zero_bytes(int npad, int k, int gs, int kind) { return kind == kInt4Asym ? (size_t)npad / 64 * (k / gs) * 64 : 0; }
+size_t zero_bytes(int npad, int k, int gs, int kind) {
+  return kind == kInt4Asym ? (size_t)npad / 64 * (k / gs) * 64 : 0;
+}
 
 }  // namespace
 
