@@ -85,10 +85,10 @@ __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem,
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0) : "memory");
 #endif
 }
-#if defined(HF_W4_CUDA_EMULATE)  // the copies above are done when issued
-__device__ __forceinline__ void cp_async_commit() {}
+#if defined(HF_W4_CUDA_EMULATE)
+__device__ __forceinline__ void cp_async_commit() { hf_w4_emu::cp_async_commit(); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void cp_async_wait() { hf_w4_emu::cp_async_wait(N); }
 #else
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

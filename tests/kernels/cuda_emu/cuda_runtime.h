@@ -7,8 +7,8 @@
 // only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads /
 // __syncwarp wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a
 // barrier that can never complete aborts with a message. mma.sync m16n8k16 and __shfl_sync are warp collectives:
-// the lanes deposit their registers, meet, and each computes its own result from the warp's. cp.async copies at once
-// (waits are then trivially satisfied). Half-precision arithmetic rounds once to nearest even from the exact fp32
+// the lanes deposit their registers, meet, and each computes its own result from the warp's. cp.async copies land at
+// the issuing thread's cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds once to nearest even from the exact fp32
 // result, as the device does for these operands; the mma sums its 16 products in fp32 in k order (the hardware's
 // order is not specified, which the tests' error budgets allow for). Not modelled: timing, memory ordering between
 // blocks (blocks do not run concurrently here), hardware-specific handling of special values.
@@ -70,9 +70,16 @@ namespace hf_w4_emu {
 constexpr size_t kSharedBytes = 228u << 10;
 constexpr size_t kStackBytes = 64u << 10;
 
+struct Copy {  // one cp.async: 16 bytes from src, or zeros where src is null
+  void* dst;
+  const void* src;
+};
+
 struct Fiber {
   ucontext_t ctx;
   bool done = false;
+  std::vector<Copy> open;                  // cp.async since the last commit
+  std::vector<std::vector<Copy>> groups;   // committed groups, oldest first, not yet waited for
 };
 
 struct WarpSlots {  // what the lanes of a warp deposit for a collective
@@ -224,9 +231,26 @@ inline uint4 ld_stream(const int32_t* p) {
   std::memcpy(&r, p, 16);
   return r;
 }
+// cp.async lands when the issuing thread waits for its group (shared memory holds the old bytes until then, so a
+// read before the wait, or by another thread before the barrier after it, sees stale data, as it may on the GPU)
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
-  if (full) std::memcpy(smem, gmem, 16);
-  else std::memset(smem, 0, 16);
+  block()->fibers[block()->current].open.push_back(Copy{smem, full ? gmem : nullptr});
+}
+inline void cp_async_commit() {
+  Fiber& f = block()->fibers[block()->current];
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+// all but the newest n committed groups complete
+inline void cp_async_wait(size_t n) {
+  Fiber& f = block()->fibers[block()->current];
+  while (f.groups.size() > n) {
+    for (const Copy& c : f.groups.front()) {
+      if (c.src) std::memcpy(c.dst, c.src, 16);
+      else std::memset(c.dst, 0, 16);
+    }
+    f.groups.erase(f.groups.begin());
+  }
 }
 
 // D = A (16 x 16, row) x B (16 x 8, col) + C over the warp's fragments (PTX ISA, mma.m16n8k16 with .f16 / .bf16)
