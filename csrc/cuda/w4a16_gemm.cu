@@ -36,7 +36,7 @@ struct DevF16 {
   __device__ static __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
     return bits(__hfma2(as_h2(a), as_h2(b), as_h2(c)));
   }
-  __device__ static __forceinline__ uint32_t from_f16x2(uint32_t v) { return v; }
+  __device__ static __forceinline__ float2 to_float2(uint32_t v) { return __half22float2(as_h2(v)); }
   __device__ static __forceinline__ uint32_t from_float2(float2 v) { return bits(__float22half2_rn(v)); }
   __device__ static __forceinline__ float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
   __device__ static __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
@@ -45,7 +45,7 @@ struct DevBF16 {
   static constexpr bool kBF16 = true;
   __device__ static __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) { return bits(__hsub2(as_b2(a), as_b2(b))); }
   __device__ static __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) { return bits(__hmul2(as_b2(a), as_b2(b))); }
-  __device__ static __forceinline__ uint32_t from_f16x2(uint32_t v) { return from_float2(__half22float2(as_h2(v))); }
+  __device__ static __forceinline__ float2 to_float2(uint32_t v) { return __bfloat1622float2(as_b2(v)); }
   __device__ static __forceinline__ uint32_t from_float2(float2 v) { return bits(__float22bfloat162_rn(v)); }
   __device__ static __forceinline__ float to_float(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
   __device__ static __forceinline__ uint16_t from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
@@ -119,15 +119,35 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // One lane's weights, scales and zero points for one (k16 step, 64-column tile)
 struct WTile {
   uint4 w;  // 4 words: 8 sub-tiles x 2 fragment registers x 2 k
-  uint4 s;  // int4: 8 scales (x's dtype) of sub-tiles 0..7 at column g; nvfp4: 8 E4M3 bytes in s.x, s.y
+  uint4 s;  // 8 scales of sub-tiles 0..7 at column g in x's dtype (nvfp4: as nvfp4_scales prepares them)
   uint2 z;  // asymmetric int4: 8 zero-point bytes
 };
 
 // group (scale row) of k16 step kt: a shift where the group is a power-of-two number of steps
 __device__ __forceinline__ int step_group(int kt, int gsteps, int gshift) { return gshift >= 0 ? kt >> gshift : kt / gsteps; }
 
+// NVFP4 block scales of sub-tiles idx, idx + 1 (E4M3 bytes idx, idx + 1 of word, idx even) as nvfp4_scale_pair
+// prepares them; for fp16 on sm_89+ by the hardware conversion (exact), then the same * 2^6
+template <class A>
+__device__ __forceinline__ uint32_t scale_pair(uint32_t word, int idx) {
+#if __CUDA_ARCH__ >= 890
+  if constexpr (!A::kBF16) {
+    const uint16_t h = static_cast<uint16_t>(word >> (8 * idx));  // byte idx low, idx + 1 high: halves in order
+    uint32_t s2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"(h));
+    return A::mul2(s2, 0x54005400u);
+  }
+#endif
+  return nvfp4_scale_pair<A>(word, idx);
+}
+// a lane's 8 E4M3 bytes (sub-tiles 0..7) -> WTile::s, two scales per word as int4's
+template <class A>
+__device__ __forceinline__ uint4 nvfp4_scales(uint2 s8) {
+  return make_uint4(scale_pair<A>(s8.x, 0), scale_pair<A>(s8.x, 2), scale_pair<A>(s8.y, 0), scale_pair<A>(s8.y, 2));
+}
+
 // the dequantize kernel's direct loads of a tile
-template <int KIND>
+template <class A, int KIND>
 __device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, int lane) {
   const int ksteps = a.k / 16, g = lane >> 2;
   WTile r;
@@ -136,7 +156,7 @@ __device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, i
   if constexpr (KIND == kNvfp4) {
     const uint2 s8 = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.scales) +
                                                           group_row(kt, nt, ksteps) + g * 8));
-    r.s = make_uint4(s8.x, s8.y, 0u, 0u);
+    r.s = nvfp4_scales<A>(s8);
   } else {
     const int groups = a.k / a.group_size;
     const int64_t off = group_row(kt * 16 / a.group_size, nt, groups) + g * 8;
@@ -146,41 +166,24 @@ __device__ __forceinline__ WTile load_wtile(const GemmArgs& a, int kt, int nt, i
   return r;
 }
 
-// E4M3 byte ``idx`` of word as an fp16 pair (exact): one PRMT and the hardware conversion where there is one
-// (sm_89+), else the bit move of nvfp4_scale2
-__device__ __forceinline__ uint32_t e4m3_scale_pair(uint32_t word, int idx) {
-#if __CUDA_ARCH__ >= 890
-  const uint16_t bb = static_cast<uint16_t>(prmt(word, 0u, (uint32_t)idx * 0x11u));  // bytes idx, idx
-  uint32_t s2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"(bb));
-  return s2;
-#else
-  return nvfp4_scale2<DevF16>((word >> (8 * idx)) & 0xffu);
-#endif
-}
-
-// The two B fragment registers of sub-tile ``sub`` (0..7), dequantized into Out's type (for NVFP4 without the
-// global scale)
+// The two B fragment registers of sub-tile ``sub`` (0..7), dequantized into Out's type (NVFP4: times 2^-8, without
+// the global scale)
 template <class Out, int KIND>
 __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b0, uint32_t& b1) {
   const uint32_t wv[4] = {t.w.x, t.w.y, t.w.z, t.w.w};
-  const uint32_t word = wv[sub >> 1];
+  const uint32_t sv[4] = {t.s.x, t.s.y, t.s.z, t.s.w};
+  const uint32_t word = wv[sub >> 1], s2 = broadcast16(sv[sub >> 1], sub & 1);
   const int p = sub & 1;
   if constexpr (KIND == kNvfp4) {
-    const uint32_t s2 = e4m3_scale_pair(sub < 4 ? t.s.x : t.s.y, sub & 3);
-    b0 = nvfp4_dequant<DevF16, Out>(word, 2 * p, s2);
-    b1 = nvfp4_dequant<DevF16, Out>(word, 2 * p + 1, s2);
+    b0 = nvfp4_dequant<Out>(word, 2 * p, s2);
+    b1 = nvfp4_dequant<Out>(word, 2 * p + 1, s2);
+  } else if constexpr (KIND == kInt4Asym) {
+    const uint32_t z2 = int4_zero_pair(sub < 4 ? t.z.x : t.z.y, sub & 3, Out::kBF16);
+    b0 = int4_dequant<Out>(word, 2 * p, z2, s2);
+    b1 = int4_dequant<Out>(word, 2 * p + 1, z2, s2);
   } else {
-    const uint32_t sv[4] = {t.s.x, t.s.y, t.s.z, t.s.w};
-    const uint32_t s2 = broadcast16(sv[sub >> 1], sub & 1);
-    if constexpr (KIND == kInt4Asym) {
-      const uint32_t z2 = int4_zero_pair(sub < 4 ? t.z.x : t.z.y, sub & 3, Out::kBF16);
-      b0 = int4_dequant<Out>(word, 2 * p, z2, s2);
-      b1 = int4_dequant<Out>(word, 2 * p + 1, z2, s2);
-    } else {
-      b0 = int4_sym_dequant<Out>(word, 2 * p, s2);
-      b1 = int4_sym_dequant<Out>(word, 2 * p + 1, s2);
-    }
+    b0 = int4_sym_dequant<Out>(word, 2 * p, s2);
+    b1 = int4_sym_dequant<Out>(word, 2 * p + 1, s2);
   }
 }
 
@@ -347,8 +350,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
       WTile wt;
       wt.w = cur.w[i][lane];
       if constexpr (KIND == kNvfp4) {
-        const uint2 s8 = reinterpret_cast<const uint2*>(cur.s + 4 * i)[g];
-        wt.s = make_uint4(s8.x, s8.y, 0u, 0u);
+        wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(cur.s + 4 * i)[g]);
         wt.z = make_uint2(0u, 0u);
       } else {
         wt.s = cur.s[8 * i + g];
@@ -421,10 +423,11 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 
   const uint16_t* bias = static_cast<const uint16_t*>(a.bias);
   uint16_t* y = static_cast<uint16_t*>(a.y);
+  const float out_scale = KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale;
   for (int i = tid; i < nvals; i += 128) {
     const int row = m0 + i / 64, col = nt * 64 + (i & 63);
     if (col < a.n) {
-      float v = red[i] * a.global_scale;
+      float v = red[i] * out_scale;
       if (bias) v += A::to_float(bias[col]);
       y[(size_t)row * a.n + col] = A::from_float(v);
     }
@@ -448,19 +451,18 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
   const int nsteps = a.k / 16 - kt0 < kDqSteps ? a.k / 16 - kt0 : kDqSteps;
   if (warp < nsteps) {
     const int kt = kt0 + warp;
-    const WTile t = load_wtile<KIND>(a, kt, nt, lane);
+    const WTile t = load_wtile<A, KIND>(a, kt, nt, lane);
 #pragma unroll
     for (int sub = 0; sub < 8; ++sub) {
       uint32_t b[2];
+      dequant_sub<A, KIND>(t, sub, b[0], b[1]);
       if constexpr (KIND == kNvfp4) {  // global scale in fp32 before the one rounding into x's dtype
-        dequant_sub<DevF16, KIND>(t, sub, b[0], b[1]);
+        const float gscale = a.global_scale * kNvfp4Unscale;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2 f = __half22float2(as_h2(b[r]));
-          b[r] = A::from_float2(make_float2(f.x * a.global_scale, f.y * a.global_scale));
+          const float2 f = A::to_float2(b[r]);
+          b[r] = A::from_float2(make_float2(f.x * gscale, f.y * gscale));
         }
-      } else {
-        dequant_sub<A, KIND>(t, sub, b[0], b[1]);
       }
       const int row = frag_n(nt, lane, sub >> 1, 2 * (sub & 1)) - nt * 64;
 #pragma unroll

@@ -53,8 +53,6 @@ HF_W4_HD int64_t group_pos(int grp, int n, int groups) {
 // ---- bit tricks (two 16-bit lanes per uint32; the low half is the lower k)
 constexpr uint32_t kF16Magic = 0x64006400u;   // half2(1024, 1024): 1024 + v for v in 0..1023 is exact
 constexpr uint32_t kBF16Magic = 0x43004300u;  // bf16x2(128, 128): 128 + v for v in 0..127 is exact
-constexpr uint32_t kE2M1Rescale = 0x74007400u;  // half2(2^14, 2^14)
-constexpr uint32_t kE4M3Rescale = 0x5c00u;      // half(256)
 
 // (x & mask) | bits in one LOP3 (the device form keeps both constants in registers: a LOP3 takes one immediate)
 HF_W4_HD uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
@@ -96,14 +94,20 @@ HF_W4_HD uint32_t broadcast16(uint32_t word, int half) { return prmt(word, 0u, h
 HF_W4_HD uint32_t int4_zero_pair(uint32_t word, int idx, bool bf16) {
   return prmt(word, bf16 ? 0x43u : 0x64u, 0x4040u | ((uint32_t)idx << 8) | (uint32_t)idx);
 }
-// E2M1 codes of pair i as fp16 with value * 2^-14 (exponent and mantissa moved into the fp16 fields; code 1 = 0.5
-// lands on an fp16 subnormal, still exact)
+// E2M1 codes of pair i with exponent and mantissa moved into the fp16 / bf16 fields: value * 2^-14 (fp16) or
+// * 2^-126 (bf16); code 1 (0.5) lands on a subnormal, still exact
+template <bool BF16>
 HF_W4_HD uint32_t e2m1_pair_bits(uint32_t word, int i) {
   const uint32_t x = word >> (4 * i);
-  return ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);
+  return ((x & 0x00070007u) << (BF16 ? 6 : 9)) | ((x & 0x00080008u) << 12);
 }
-// E4M3 byte as fp16 with value * 2^-8 (same move; E4M3 subnormals become fp16 subnormals)
-HF_W4_HD uint32_t e4m3_half_bits(uint32_t b) { return ((b & 0x7fu) << 7) | ((b & 0x80u) << 8); }
+// E4M3 bytes idx, idx + 1 of word in the low / high half, moved the same way: value * 2^-8 (fp16) or * 2^-120
+// (bf16); E4M3 subnormals become subnormals
+template <bool BF16>
+HF_W4_HD uint32_t e4m3_pair_bits(uint32_t word, int idx) {
+  const uint32_t b = prmt(word, 0u, 0x4040u | ((uint32_t)(idx + 1) << 8) | (uint32_t)idx);  // 0x00 b1 0x00 b0
+  return ((b & 0x007f007fu) << (BF16 ? 4 : 7)) | ((b & 0x00800080u) << 8);
+}
 
 // ---- recipes. F16 does fp16x2 arithmetic on bit patterns, A the activation type's (fp16 or bf16); each
 // operation rounds once to nearest even (device: __hsub2 / __hmul2; host: emulated).
@@ -121,17 +125,25 @@ HF_W4_HD uint32_t int4_sym_dequant(uint32_t word, int i, uint32_t scale2) {
   }
   return int4_dequant<A>(word, i, int4_zero_bits(8u, A::kBF16), scale2);
 }
-// NVFP4 block scale byte -> fp16 pair (exact: E4M3 values are all fp16 numbers)
-template <class F16>
-HF_W4_HD uint32_t nvfp4_scale2(uint32_t b) {
-  const uint32_t h = e4m3_half_bits(b);
-  return F16::mul2(h | (h << 16), kE4M3Rescale | (kE4M3Rescale << 16));
+// NVFP4: the mma operands are the weights times 2^-8 (kNvfp4Unscale, with the global scale, undoes it in fp32 on
+// the accumulated sums: exact, a power of two). Then one multiply per pair makes them, in A's own type: the E2M1
+// bits times the block scale brought to 2^6 (fp16) / 2^118 (bf16). Exact: the product has at most 6 significant
+// bits (2 of E2M1, 4 of E4M3) and lies in [2^-18, 10.5], normal in bf16 and at least 2^-24 apart in fp16.
+constexpr float kNvfp4Unscale = 256.f;
+// the block scales of sub-tiles idx, idx + 1 (E4M3 bytes idx, idx + 1 of word) in the low / high half, prepared
+template <class A>
+HF_W4_HD uint32_t nvfp4_scale_pair(uint32_t word, int idx) {
+  if constexpr (A::kBF16) {  // * 2^-120 -> * 2^118 in two exact steps (2^238 is past bf16's range)
+    constexpr uint32_t k2p119 = 0x7b007b00u;
+    return A::mul2(A::mul2(e4m3_pair_bits<true>(word, idx), k2p119), k2p119);
+  } else {
+    return A::mul2(e4m3_pair_bits<false>(word, idx), 0x74007400u);  // * 2^-8 -> * 2^6
+  }
 }
-// NVFP4 e2m1 * e4m3 in fp16 (exact: at most 6 significant bits, magnitudes 2^-10 .. 2688), then to A's type
-// (exact for bf16 too). The global scale is applied later in fp32.
-template <class F16, class A>
-HF_W4_HD uint32_t nvfp4_dequant(uint32_t word, int i, uint32_t scale2_f16) {
-  return A::from_f16x2(F16::mul2(F16::mul2(e2m1_pair_bits(word, i), kE2M1Rescale), scale2_f16));
+// NVFP4 pair i of word times 2^-8, with a broadcast scale from nvfp4_scale_pair
+template <class A>
+HF_W4_HD uint32_t nvfp4_dequant(uint32_t word, int i, uint32_t scale2) {
+  return A::mul2(e2m1_pair_bits<A::kBF16>(word, i), scale2);
 }
 
 // ---- work split (host)

@@ -6,6 +6,7 @@ layers with its reasons. The GPU itself is tested in tests/gpu/.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import os
 import shutil
@@ -93,13 +94,16 @@ def test_host_fp16_rounding_matches_torch(host):
 
 
 def test_bit_tricks_exhaustive(host):
-    for code in range(16):  # E2M1: fp16 value * 2^14 is the code's value
-        assert _half_bits(host.hf_w4_host_e2m1(code), torch.float16) * 2.0 ** 14 == layouts.E2M1_VALUES[code]
-    for b in range(256):  # E4M3: every finite byte decodes exactly, subnormals included
-        if b & 0x7F == 0x7F:
-            continue
-        want = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
-        assert _half_bits(host.hf_w4_host_e4m3(b), torch.float16) == want, hex(b)
+    # NVFP4: E2M1 bits are the code's value * 2^-14 (fp16) / 2^-126 (bf16), the prepared E4M3 scale the byte's value
+    # * 2^6 / 2^118: their product is the weight * 2^-8 in both types
+    for dt, bf, e2m1_pow, e4m3_pow in ((torch.float16, 0, -14, 6), (torch.bfloat16, 1, -126, 118)):
+        for code in range(16):
+            assert _half_bits(host.hf_w4_host_e2m1(code, bf), dt) == layouts.E2M1_VALUES[code] * 2.0 ** e2m1_pow
+        for b in range(256):  # every finite byte decodes exactly, subnormals included
+            if b & 0x7F == 0x7F:
+                continue
+            want = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+            assert _half_bits(host.hf_w4_host_e4m3(b, bf), dt) == want * 2.0 ** e4m3_pow, (dt, hex(b))
     assert host.hf_w4_host_check_zero_pair() == 0  # the PRMT form of the zero-point pair
     for dt, bf in ((torch.float16, 0), (torch.bfloat16, 1)):  # magic numbers: (bias + v) - (bias + z) = v - z
         for v in range(16):
@@ -145,7 +149,10 @@ def test_host_arithmetic_matches_layouts_dequantize(host, case, gs, dtype):
     kern, layer = _prepared(spec, qw)
     for apply_global in (False, True):
         got = _host_weight(host, kern, layer, dtype, apply_global)
-        want = kernel_dtype_weight(qw, dtype, global_scale=apply_global or qw.weight_type != "nvfp4")
+        if qw.weight_type == "nvfp4" and not apply_global:  # the mma operands: the weights * 2^-8
+            want = kernel_dtype_weight(dataclasses.replace(qw, global_scale=2.0 ** -8), dtype)
+        else:
+            want = kernel_dtype_weight(qw, dtype)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (layout, gs, dtype, apply_global)
 
 

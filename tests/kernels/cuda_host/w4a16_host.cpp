@@ -59,7 +59,6 @@ struct HostF16 {
   static uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
     return make(get(a, 0) * get(b, 0) + get(c, 0), get(a, 1) * get(b, 1) + get(c, 1));
   }
-  static uint32_t from_f16x2(uint32_t v) { return v; }
 };
 struct HostBF16 {
   static constexpr bool kBF16 = true;
@@ -67,24 +66,26 @@ struct HostBF16 {
   static uint32_t make(float lo, float hi) { return float_to_bf16(lo) | (float_to_bf16(hi) << 16); }
   static uint32_t sub2(uint32_t a, uint32_t b) { return make(get(a, 0) - get(b, 0), get(a, 1) - get(b, 1)); }
   static uint32_t mul2(uint32_t a, uint32_t b) { return make(get(a, 0) * get(b, 0), get(a, 1) * get(b, 1)); }
-  static uint32_t from_f16x2(uint32_t v) { return make(f16_to_float(v), f16_to_float(v >> 16)); }
 };
 
 // The pair (b = fragment register) of sub-tile ``sub`` as the kernels compute it from one lane's 16 bytes
+// (NVFP4: times 2^-8)
 template <class A>
-uint32_t pair(const uint32_t* w4, const void* scales, const uint8_t* zeros, int kind, int64_t goff, int sub, int b,
-              bool f16_product) {
+uint32_t pair(const uint32_t* w4, const void* scales, const uint8_t* zeros, int kind, int64_t goff, int sub, int b) {
   const uint32_t word = w4[sub >> 1];
   const int i = 2 * (sub & 1) + b;
-  if (kind == kNvfp4) {
-    const uint32_t s2 = nvfp4_scale2<HostF16>(static_cast<const uint8_t*>(scales)[goff + sub]);
-    return f16_product ? nvfp4_dequant<HostF16, HostF16>(word, i, s2) : nvfp4_dequant<HostF16, A>(word, i, s2);
-  }
   // the lane's 8 scales / 8 zero bytes as the device holds them in registers, picked as it picks them
   uint32_t sv[4], zv[2] = {0u, 0u};
-  std::memcpy(sv, static_cast<const uint16_t*>(scales) + goff, 16);
-  if (kind == kInt4Asym) std::memcpy(zv, zeros + goff, 8);
+  if (kind == kNvfp4) {
+    uint32_t s8[2];
+    std::memcpy(s8, static_cast<const uint8_t*>(scales) + goff, 8);
+    for (int j = 0; j < 4; ++j) sv[j] = nvfp4_scale_pair<A>(s8[j >> 1], 2 * (j & 1));
+  } else {
+    std::memcpy(sv, static_cast<const uint16_t*>(scales) + goff, 16);
+  }
   const uint32_t s2 = broadcast16(sv[sub >> 1], sub & 1);
+  if (kind == kNvfp4) return nvfp4_dequant<A>(word, i, s2);
+  if (kind == kInt4Asym) std::memcpy(zv, zeros + goff, 8);
   if (kind != kInt4Asym) return int4_sym_dequant<A>(word, i, s2);
   return int4_dequant<A>(word, i, int4_zero_pair(zv[sub >> 2], sub & 3, A::kBF16), s2);
 }
@@ -93,6 +94,7 @@ template <class A>
 void dequant(const uint32_t* q, const void* scales, const uint8_t* zeros, int n, int npad, int k, int gs, int kind,
              int apply_global, float gscale, uint16_t* out) {
   const int ntiles = npad / 64, ksteps = k / 16, groups = kind == kNvfp4 ? ksteps : k / gs;
+  const float unscale = gscale * kNvfp4Unscale;
   for (int kt = 0; kt < ksteps; ++kt)
     for (int nt = 0; nt < ntiles; ++nt)
       for (int lane = 0; lane < 32; ++lane) {
@@ -104,13 +106,9 @@ void dequant(const uint32_t* q, const void* scales, const uint8_t* zeros, int n,
             const int slot = 2 * (sub & 1) + b;  // the low half of the pair (h = 0)
             const int nn = frag_n(nt, lane, sub >> 1, slot), kk = frag_k(kt, lane, slot);
             if (nn >= n) continue;
-            uint32_t v;
-            if (kind == kNvfp4 && apply_global) {  // the dequantize kernel: fp16 product * global in fp32
-              const uint32_t h = pair<A>(w4, scales, zeros, kind, goff, sub, b, true);
-              v = A::make(f16_to_float(h) * gscale, f16_to_float(h >> 16) * gscale);
-            } else {
-              v = pair<A>(w4, scales, zeros, kind, goff, sub, b, false);
-            }
+            uint32_t v = pair<A>(w4, scales, zeros, kind, goff, sub, b);
+            if (kind == kNvfp4 && apply_global)  // the dequantize kernel: * global * 2^8 in fp32, one rounding
+              v = A::make(A::get(v, 0) * unscale, A::get(v, 1) * unscale);
             out[(int64_t)nn * k + kk] = (uint16_t)v;
             out[(int64_t)nn * k + kk + 1] = (uint16_t)(v >> 16);
           }
@@ -146,17 +144,23 @@ int hf_w4_host_check_maps(int npad, int k) {
 }
 
 // The dense weight [N, K] as fp16 / bf16 bit patterns, computed the way the kernels compute it: the fused kernel's
-// mma operands (apply_global = 0; NVFP4 without its global scale) or the dequantize kernel's output.
+// mma operands (apply_global = 0; NVFP4 without its global scale, times 2^-8) or the dequantize kernel's output.
 void hf_w4_host_dequant(const uint32_t* q, const void* scales, const uint8_t* zeros, int n, int npad, int k, int gs,
                         int kind, int bf16, int apply_global, float gscale, uint16_t* out) {
   if (bf16) dequant<HostBF16>(q, scales, zeros, n, npad, k, gs, kind, apply_global, gscale, out);
   else dequant<HostF16>(q, scales, zeros, n, npad, k, gs, kind, apply_global, gscale, out);
 }
 
-// Single bit tricks, for the exhaustive tests: E2M1 code -> fp16 bits (value * 2^-14); E4M3 byte -> the fp16
-// scale the kernels multiply by; int4 code v with zero z -> (v - z) in fp16 / bf16 bits.
-uint32_t hf_w4_host_e2m1(uint32_t code) { return e2m1_pair_bits(code, 0) & 0xffffu; }
-uint32_t hf_w4_host_e4m3(uint32_t byte) { return nvfp4_scale2<HostF16>(byte) & 0xffffu; }
+// Single bit tricks, for the exhaustive tests: E2M1 code -> fp16 / bf16 bits (value * 2^-14 / 2^-126); E4M3 byte
+// -> the fp16 / bf16 scale the kernels multiply by (value * 2^6 / 2^118); int4 code v with zero z -> (v - z) in
+// fp16 / bf16 bits.
+uint32_t hf_w4_host_e2m1(uint32_t code, int bf16) {
+  return (bf16 ? e2m1_pair_bits<true>(code, 0) : e2m1_pair_bits<false>(code, 0)) & 0xffffu;
+}
+uint32_t hf_w4_host_e4m3(uint32_t byte, int bf16) {  // the byte as sub-tile 2 of 0..3, read back from the high half
+  const uint32_t word = (byte << 24) | 0x003c96e1u;  // other bytes: noise
+  return (bf16 ? nvfp4_scale_pair<HostBF16>(word, 2) : nvfp4_scale_pair<HostF16>(word, 2)) >> 16;
+}
 uint32_t hf_w4_host_int4(uint32_t v, uint32_t z, int bf16) {
   return (bf16 ? HostBF16::sub2(int4_pair_bits(v, 0, true), int4_zero_bits(z, true))
                : HostF16::sub2(int4_pair_bits(v, 0, false), int4_zero_bits(z, false))) & 0xffffu;
