@@ -60,6 +60,8 @@ VARIABLES = (
              "layer and run cuBLAS instead of the fused kernel (default 128; read when a layer is prepared)"),
     Variable("HF_W4_CUDA_MT", "C++", "1 / 2", "cuda_w4a16's fused kernel: m16 row tiles per block instead of the "
              "rule (1 up to 32 rows or below K = 8192, else 2); read on every call"),
+    Variable("HF_W4_CUDA_WIDE", "C++", "1", "cuda_w4a16: the wide fused kernel (4 column tiles per block sharing the "
+             "activations) instead of the warp-interleaved one; read on every call"),
     Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
              "does not know, for its %-of-bandwidth column"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),

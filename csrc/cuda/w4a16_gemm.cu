@@ -435,6 +435,208 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 #endif
 }
 
+// ---- the wide variant: a block of 4 warps covers 4 column tiles (warp w: tile 4 blockIdx.y + w) over the same
+// K range, all warps on the same chunk at a time: the activations of a chunk are copied once per block (not once per
+// warp), and no partial sums cross warps (each warp owns its columns; split-K fix-up per warp).
+
+// One chunk for the whole block: every warp's weights and scale rows, the shared activations
+template <int MT, int MR, int KIND>
+struct WideSlot {
+  uint4 w[4][kChunk][32];
+  uint4 s[4][scale_pieces<KIND>()];
+  uint4 x[MT][MR][5];
+};
+template <int MT, int MR, int KIND>
+constexpr int wide_ring_bytes() { return kRingSlots * (int)sizeof(WideSlot<MT, MR, KIND>); }
+
+// The chunk at k16 step kt (steps below ``end``): this warp's weights and scales from ``c`` (as copy_chunk), and the
+// block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows, k16 step (p / 2) & 1,
+// half p & 1)
+template <int MT, int MR, int KIND>
+__device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
+                                                const GemmArgs& a, int kt, int end, int m0, int warp, int lane,
+                                                int gsteps, bool has_tile) {
+  const bool two = kt + 1 < end;
+  if (has_tile) {
+    cp_async16(&slot.w[warp][0][lane], c.w);
+    cp_async16_or_zero(&slot.w[warp][1][lane], two ? c.w + 128 : c.w, two);
+    if (c.sstep >= 0) {
+      const bool in = kt + c.sstep < end;
+      const uint8_t* src = c.s;
+      if constexpr (KIND != kNvfp4) {
+        const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
+        src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
+      } else if (!in) {
+        src = static_cast<const uint8_t*>(a.scales);
+      }
+      cp_async16_or_zero(&slot.s[warp][lane], src, in);
+    }
+  }
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  constexpr int kPieces = MT * MR * 4;
+#pragma unroll
+  for (int p0 = 0; p0 < kPieces; p0 += 128) {
+    const int p = p0 + warp * 32 + lane, r = p >> 2, step = (p >> 1) & 1, half = p & 1;
+    const int mt = r / MR, rr = r % MR, row = m0 + mt * 16 + rr;
+    if (p < kPieces && row < a.m) {
+      const bool full = step == 0 || two;
+      cp_async16_or_zero(&slot.x[mt][rr][2 * step + half],
+                         full ? x + (size_t)row * a.k + (kt + step) * 16 + half * 8 : x, full);
+    }
+  }
+}
+
+template <int MT, int MR, bool BF16, int KIND>
+__global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, const int ntiles, const int splits,
+                                                              const int steps_per_split) {
+#if defined(HF_W4_DEVICE_CODE)
+  using A = DevAct<BF16>;
+  using Slot = WideSlot<MT, MR, KIND>;
+  constexpr int BM = 16 * MT;
+  constexpr int WS = kRingSlots;
+  extern __shared__ uint4 smem[];
+  const int mb = blockIdx.x, split = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nt = 4 * blockIdx.y + warp;
+  const bool has_tile = nt < ntiles;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = mb * BM;
+  const int gsteps = a.group_size >> 4;
+  const int ksteps = a.k / 16;
+  const int kb = split * steps_per_split;
+  const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
+  const int nchunks = (end - kb + kChunk - 1) / kChunk;
+
+  float acc[MT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
+
+  Slot* ring = reinterpret_cast<Slot*>(smem);
+  // chunk sources advance by one chunk (kChunk steps) here, not by four as in the warp-interleaved kernel
+  ChunkSource<MT, KIND> src = chunk_source<MT, KIND>(a, kb, has_tile ? nt : 0, m0, lane);
+  const auto next = [&]() {
+    src.w += kChunk * 128;
+    if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
+  };
+#pragma unroll
+  for (int p = 0; p < WS - 1; ++p) {
+    if (p < nchunks) copy_wide_chunk(ring[p], src, a, kb + kChunk * p, end, m0, warp, lane, gsteps, has_tile);
+    next();
+    cp_async_commit();
+  }
+  bool row_lo[MT], row_hi[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    row_lo[mt] = m0 + mt * 16 + g < a.m;
+    row_hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < a.m;
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait<WS - 2>();
+    __syncthreads();  // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
+    const int kt = kb + kChunk * c;
+    if (c + WS - 1 < nchunks)
+      copy_wide_chunk(ring[(c + WS - 1) % WS], src, a, kt + kChunk * (WS - 1), end, m0, warp, lane, gsteps, has_tile);
+    next();
+    cp_async_commit();
+    if (!has_tile) continue;
+    const Slot& cur = ring[c % WS];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      WTile wt;
+      wt.w = cur.w[warp][i][lane];
+      if constexpr (KIND == kNvfp4) {
+        wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(cur.s[warp] + 4 * i)[g]);
+        wt.z = make_uint2(0u, 0u);
+      } else {
+        wt.s = cur.s[warp][8 * i + g];
+        wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(cur.s[warp] + 8 * kChunk + 4 * i)[g]
+                                 : make_uint2(0u, 0u);
+      }
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint32_t* lo = reinterpret_cast<const uint32_t*>(cur.x[mt][g]) + 8 * i + t;
+        const uint32_t* hi = reinterpret_cast<const uint32_t*>(cur.x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
+        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
+        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
+        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
+        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+      }
+#pragma unroll
+      for (int sub = 0; sub < 8; ++sub) {
+        uint32_t b0, b1;
+        dequant_sub<A, KIND>(wt, sub, b0, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (!has_tile) return;
+
+  // accumulator c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols); index in a [BM][64] tile
+  if (splits > 1) {
+    float* part = a.workspace + (size_t)(mb * ntiles + nt) * splits * (BM * 64);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int sub = 0; sub < 8; ++sub)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + g + 8 * h, i = row * 64 + sub * 8 + 2 * t;
+          if (m0 + row < a.m)
+            __stcg(reinterpret_cast<float2*>(part + (size_t)split * (BM * 64) + i),
+                   make_float2(acc[mt][sub][2 * h], acc[mt][sub][2 * h + 1]));
+        }
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(a.counters + mb * ntiles + nt, 1) == splits - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    // the last split of this tile adds all splits in split order (the same order in every run)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int sub = 0; sub < 8; ++sub)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + g + 8 * h, i = row * 64 + sub * 8 + 2 * t;
+          float2 v = make_float2(0.f, 0.f);
+          if (m0 + row < a.m)
+            for (int s = 0; s < splits; ++s) {
+              const float2 p = __ldcg(reinterpret_cast<const float2*>(part + (size_t)s * (BM * 64) + i));
+              v.x += p.x;
+              v.y += p.y;
+            }
+          acc[mt][sub][2 * h] = v.x;
+          acc[mt][sub][2 * h + 1] = v.y;
+        }
+    if (lane == 0) a.counters[mb * ntiles + nt] = 0;
+  }
+  const uint16_t* bias = static_cast<const uint16_t*>(a.bias);
+  uint16_t* y = static_cast<uint16_t*>(a.y);
+  const float out_scale = KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int sub = 0; sub < 8; ++sub)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = m0 + mt * 16 + g + 8 * (r >> 1), col = nt * 64 + sub * 8 + 2 * t + (r & 1);
+        if (row < a.m && col < a.n) {
+          float v = acc[mt][sub][r] * out_scale;
+          if (bias) v += A::to_float(bias[col]);
+          y[(size_t)row * a.n + col] = A::from_float(v);
+        }
+      }
+#endif
+}
+
 // Block: one 64-column tile x kDqSteps k16 steps. Warp w dequantizes step kt0 + w (each lane its 64 weights) into a
 // shared [64 n][kDqSteps * 16 k] tile; the block then writes whole 16-byte pieces of rows of the dense [N, K]
 // (row-major) output, so a warp stores two contiguous 256-byte row segments instead of scattered 4-byte pairs.
@@ -480,56 +682,72 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
 #endif
 }
 
-template <int MT, int MR, bool BF16, int KIND>
+template <int MT, int MR, bool BF16, int KIND, bool WIDE>
 void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  const dim3 grid(p.mblocks, p.ntiles, p.splits);
-  const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
-  const int bytes = ring_bytes<MT, MR, KIND>();
-  HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+  if constexpr (WIDE) {
+    const dim3 grid(p.mblocks, (p.ntiles + 3) / 4, p.splits);
+    const auto kernel = w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>;
+    const int bytes = wide_ring_bytes<MT, MR, KIND>();
+    HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+  } else {
+    const dim3 grid(p.mblocks, p.ntiles, p.splits);
+    const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
+    const int bytes = ring_bytes<MT, MR, KIND>();
+    HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+  }
 }
 
-template <int MT, int MR, bool BF16, int KIND>
+template <int MT, int MR, bool BF16, int KIND, bool WIDE>
 int blocks_per_sm() {
   // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
   // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
   // hint, so a failure is not an error.
-  const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes<MT, MR, KIND>()) !=
-      cudaSuccess)
+  const auto kernel = WIDE ? w4a16_gemm_wide_kernel<MT, MR, BF16, KIND> : w4a16_gemm_kernel<MT, MR, BF16, KIND>;
+  const int bytes = WIDE ? wide_ring_bytes<MT, MR, KIND>() : ring_bytes<MT, MR, KIND>();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
     (void)cudaGetLastError();
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
       cudaSuccess)
     (void)cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128, ring_bytes<MT, MR, KIND>()) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128, bytes) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; plan with one block per SM
     n = 1;
   }
   return n > 0 ? n : 1;
 }
 
-// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16)
-int tiling(int mt, int mr) { return mt == 2 ? 2 : (mr == 8 ? 0 : 1); }
+// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), each plain (0-2) or wide (3-5)
+int tiling(int mt, int mr, bool wide) { return (mt == 2 ? 2 : (mr == 8 ? 0 : 1)) + (wide ? 3 : 0); }
 
-template <bool BF16, int KIND>
+template <bool BF16, int KIND, bool WIDE>
 int blocks_per_sm_tiling(int t) {
-  return t == 0 ? blocks_per_sm<1, 8, BF16, KIND>() : (t == 1 ? blocks_per_sm<1, 16, BF16, KIND>()
-                                                              : blocks_per_sm<2, 16, BF16, KIND>());
+  return t == 0 ? blocks_per_sm<1, 8, BF16, KIND, WIDE>()
+                : (t == 1 ? blocks_per_sm<1, 16, BF16, KIND, WIDE>() : blocks_per_sm<2, 16, BF16, KIND, WIDE>());
+}
+template <bool BF16, int KIND>
+int blocks_per_sm_any(int t) {
+  return t >= 3 ? blocks_per_sm_tiling<BF16, KIND, true>(t - 3) : blocks_per_sm_tiling<BF16, KIND, false>(t);
 }
 
-template <bool BF16, int KIND>
+template <bool BF16, int KIND, bool WIDE>
 void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  const int t = tiling(p.mt, p.mr);
-  if (t == 0) launch_gemm<1, 8, BF16, KIND>(a, p, stream);
-  else if (t == 1) launch_gemm<1, 16, BF16, KIND>(a, p, stream);
-  else launch_gemm<2, 16, BF16, KIND>(a, p, stream);
+  const int t = tiling(p.mt, p.mr, false);
+  if (t == 0) launch_gemm<1, 8, BF16, KIND, WIDE>(a, p, stream);
+  else if (t == 1) launch_gemm<1, 16, BF16, KIND, WIDE>(a, p, stream);
+  else launch_gemm<2, 16, BF16, KIND, WIDE>(a, p, stream);
+}
+template <bool BF16, int KIND>
+void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  if (p.wide) launch_gemm_tiling<BF16, KIND, true>(a, p, stream);
+  else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
 }
 
 template <bool BF16>
 void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (a.kind == kNvfp4) launch_gemm_tiling<BF16, kNvfp4>(a, p, stream);
-  else if (a.kind == kInt4Asym) launch_gemm_tiling<BF16, kInt4Asym>(a, p, stream);
-  else launch_gemm_tiling<BF16, kInt4Sym>(a, p, stream);
+  if (a.kind == kNvfp4) launch_gemm_any<BF16, kNvfp4>(a, p, stream);
+  else if (a.kind == kInt4Asym) launch_gemm_any<BF16, kInt4Asym>(a, p, stream);
+  else launch_gemm_any<BF16, kInt4Sym>(a, p, stream);
 }
 
 template <bool BF16>
@@ -544,26 +762,26 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
 
 }  // namespace
 
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind) {
-  static int cache[16][3][2][3] = {};  // device, tiling, bf16, kind
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
+  static int cache[16][6][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
-  const int t = tiling(mt, mr), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
+  const int t = tiling(mt, mr, wide), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
   int& c = cache[dev][t][bf16 ? 1 : 0][ki];
   if (!c) {
-    if (bf16) c = kind == kNvfp4 ? blocks_per_sm_tiling<true, kNvfp4>(t)
-                                 : (kind == kInt4Asym ? blocks_per_sm_tiling<true, kInt4Asym>(t)
-                                                      : blocks_per_sm_tiling<true, kInt4Sym>(t));
-    else c = kind == kNvfp4 ? blocks_per_sm_tiling<false, kNvfp4>(t)
-                            : (kind == kInt4Asym ? blocks_per_sm_tiling<false, kInt4Asym>(t)
-                                                 : blocks_per_sm_tiling<false, kInt4Sym>(t));
+    if (bf16) c = kind == kNvfp4 ? blocks_per_sm_any<true, kNvfp4>(t)
+                                 : (kind == kInt4Asym ? blocks_per_sm_any<true, kInt4Asym>(t)
+                                                      : blocks_per_sm_any<true, kInt4Sym>(t));
+    else c = kind == kNvfp4 ? blocks_per_sm_any<false, kNvfp4>(t)
+                            : (kind == kInt4Asym ? blocks_per_sm_any<false, kInt4Asym>(t)
+                                                 : blocks_per_sm_any<false, kInt4Sym>(t));
   }
   return c;
 }
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {
   if (a.m <= 0 || a.n <= 0) return cudaSuccess;
-  (void)w4a16_gemm_blocks_per_sm(plan.mt, plan.mr, a.bf16, a.kind);  // once per device and kernel: shared memory opt-in
+  (void)w4a16_gemm_blocks_per_sm(plan.mt, plan.mr, a.bf16, a.kind, plan.wide);  // once per device and kernel: shared memory opt-in
   if (a.bf16) launch_gemm_kind<true>(a, plan, stream);
   else launch_gemm_kind<false>(a, plan, stream);
   return cudaGetLastError();

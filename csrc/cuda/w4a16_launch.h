@@ -29,7 +29,7 @@ struct GemmArgs {
 
 // Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API,
 // once; also sets the kernel's shared memory limit).
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind);
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);

@@ -161,20 +161,22 @@ HF_W4_HD int plan_rows(int m, int mt) { return mt == 1 && m <= 8 ? 8 : 16; }
 
 struct GemmPlan {
   int mt, mr, bm, mblocks, ntiles, splits, steps_per_split;
+  bool wide;  // the wide kernel: blocks of 4 column tiles
   int64_t ws_floats;
   int counters;
 };
 
 // mt: 0 = by M and K (plan_mt), else 1 or 2
-inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0) {
+inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false) {
   GemmPlan p;
   p.mt = mt ? mt : plan_mt(m, k);
   p.mr = plan_rows(m, p.mt);
+  p.wide = wide;
   p.bm = 16 * p.mt;
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;
   const int ksteps = k / 16;
-  const int blocks = p.ntiles * p.mblocks;
+  const int blocks = (wide ? (p.ntiles + 3) / 4 : p.ntiles) * p.mblocks;
   int s = slots / blocks;
   const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (one chunk per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);

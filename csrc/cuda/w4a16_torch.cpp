@@ -70,12 +70,19 @@ int mt_override() {
   return std::stoi(v);
 }
 
+// HF_W4_CUDA_WIDE=1: the wide kernel (blocks of 4 column tiles sharing the activations); read per call
+bool wide_kernel() {
+  const char* e = std::getenv("HF_W4_CUDA_WIDE");
+  return e && std::string(e) == "1";
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
   const int forced = mt_override(), mt = forced ? forced : plan_mt((int)m, (int)k);
-  const int bps = w4a16_gemm_blocks_per_sm(mt, plan_rows((int)m, mt), bf16, kind);
+  const bool wide = wide_kernel();
+  const int bps = w4a16_gemm_blocks_per_sm(mt, plan_rows((int)m, mt), bf16, kind, wide);
   if (blocks_per_sm) *blocks_per_sm = bps;
-  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps, mt);
+  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps, mt, wide);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

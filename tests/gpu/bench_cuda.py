@@ -104,19 +104,20 @@ def path(m: int, n: int, k: int, large: int) -> str:
 
 
 def _tilings(n: int, k: int, i4, copies: int) -> str:
-    """The fused kernel at M = 16, 32, 64 with each tiling forced, against the rule's choice."""
+    """The fused kernel at M = 1, 16, 32, 64 with each tiling forced (MT 1 / 2, warp-interleaved / wide)."""
     cells = []
-    for m in (16, 32, 64):
+    for m in (1, 16, 32, 64):
         x = torch.randn(m, k, device="cuda").bfloat16()
         rule = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
         for mt in (1, 2):
-            os.environ["HF_W4_CUDA_MT"] = str(mt)
-            try:
-                us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128, "int4",
-                                                                     1.0), copies, 20)
-            finally:
-                del os.environ["HF_W4_CUDA_MT"]
-            cells.append(f"M={m} mt{mt}{'*' if mt == rule else ' '} {us:7.1f}")
+            for wide in ("0", "1"):
+                os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"] = str(mt), wide
+                try:
+                    us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128,
+                                                                         "int4", 1.0), copies, 20)
+                finally:
+                    del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
+                cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if mt == rule else ' '} {us:6.1f}")
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 
 

@@ -43,9 +43,11 @@ def _layer(spec, qw):
     return kern, layer
 
 
+@pytest.mark.parametrize("wide", ["0", "1"], ids=["warp-k", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
-def test_kernels_against_exact_weights(case, gs, dtype):
+def test_kernels_against_exact_weights(case, gs, dtype, wide, monkeypatch):
+    monkeypatch.setenv("HF_W4_CUDA_WIDE", wide)
     _, layout, sym, ao, zp1 = case
     u = U[dtype]
     shapes = [(192, 576 if gs != 128 else 640), (200, 1024), (1024, 2048)]

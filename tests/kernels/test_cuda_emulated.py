@@ -44,7 +44,7 @@ def emu(tmp_path_factory):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     lib = ctypes.CDLL(str(out))
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2 + \
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
         [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
@@ -73,22 +73,24 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0):
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False):
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
         splits = ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
-                                int(dtype == torch.bfloat16), self.kern.global_scale, SMS, mt, ctypes.byref(splits))
+                                int(dtype == torch.bfloat16), self.kern.global_scale, SMS, mt, int(wide),
+                                ctypes.byref(splits))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
         return y, splits.value
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
-def test_fused_kernel_emulated(emu, case, gs, dtype):
-    """Every layout and group size: M across the tilings (MR = 8 rings up to 8 rows, one and two m16 tiles per
-    block, several m-blocks), split-K and not, a bias, and K with an odd number of k16 steps."""
+def test_fused_kernel_emulated(emu, case, gs, dtype, wide):
+    """Every layout and group size, both fused kernels: M across the tilings (MR = 8 rings up to 8 rows, one and two
+    m16 tiles per block, several m-blocks), split-K and not, a bias, and K with an odd number of k16 steps."""
     u = U[dtype]
     shapes = [(192, 576 if gs != 128 else 640)]
     if gs in (16, -1):
@@ -101,13 +103,14 @@ def test_fused_kernel_emulated(emu, case, gs, dtype):
         bias = (torch.randn(n, generator=gen) * 0.1).to(dtype) if n == 136 else None
         for m in (1, 3, 9, 33):
             x = torch.randn(m, k, generator=gen).to(dtype)
-            y, splits = layer.gemm(emu, x, dtype, bias)
+            y, splits = layer.gemm(emu, x, dtype, bias, wide=wide)
             check_kernel_output(y, x, wk, g, bias, u, False,
-                                f"{case[0]} g{gs} {dtype} N={n} K={k} M={m} splits={splits}")
+                                f"{case[0]} g{gs} {dtype} wide={wide} N={n} K={k} M={m} splits={splits}")
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("mt", [1, 2])
-def test_fused_kernel_tilings_and_split_k_emulated(emu, mt):
+def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
     """Both m16 tilings forced at M = 1-40 over several m-blocks; with and without split-K (K = 2048 splits, the
     wide N does not); the same inputs give the same bits twice."""
     case = next(c for c in LAYOUTS if c[1] == "gptq")
@@ -116,10 +119,10 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt):
         wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
         x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for m in (1, 17, 40):
-            y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)
+            y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)
             check_kernel_output(y, x[:m], wk, 1.0, None, U[torch.bfloat16], False,
-                                f"mt={mt} N={n} K={k} M={m} splits={splits}")
-            assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt)[0]), "two runs differ"
+                                f"mt={mt} wide={wide} N={n} K={k} M={m} splits={splits}")
+            assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -48,15 +48,15 @@ size_t zero_bytes(int npad, int k, int gs, int kind) {
 
 extern "C" {
 
-// y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `slots` resident blocks (an H100:
-// 132 SMs x the kernel's blocks per SM) or with mt forced (0: the rule); the plan's splits in *splits
+// y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel (wide: the wide one), planned for `sms` SMs x the
+// kernel's resident blocks per SM (132: an H100), with mt forced (0: the rule); the plan's splits in *splits
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
-                   int mt, int* splits) {
+                   int mt, int wide, int* splits) {
   const int npad = (n + 63) / 64 * 64;
   const int pmt = mt ? mt : plan_mt(m, k);
-  const int bps = w4a16_gemm_blocks_per_sm(pmt, plan_rows(m, pmt), bf16 != 0, kind);
-  const GemmPlan plan = plan_gemm(m, npad, k, sms * bps, mt);
+  const int bps = w4a16_gemm_blocks_per_sm(pmt, plan_rows(m, pmt), bf16 != 0, kind, wide != 0);
+  const GemmPlan plan = plan_gemm(m, npad, k, sms * bps, mt, wide != 0);
   *splits = plan.splits;
   const int gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
