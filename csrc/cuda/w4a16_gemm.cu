@@ -284,6 +284,47 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
   if constexpr (KIND == kNvfp4) c.s += 4 * kChunk * 64;
 }
 
+// One warp's work on a chunk in shared memory: per k16 step its weights (w[step][lane]), scale / zero-point pieces
+// (s, laid out as ChunkSlot::s) and the A fragments of the staged rows x (rows past M read as zero), dequantized and
+// multiplied into acc.
+template <int MT, int MR, bool BF16, int KIND>
+__device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], const uint4* s, const uint4 (&x)[MT][MR][5],
+                                              int lane, const bool (&row_lo)[MT], const bool (&row_hi)[MT],
+                                              float (&acc)[MT][8][4]) {
+  using A = DevAct<BF16>;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    WTile wt;
+    wt.w = w[i][lane];
+    if constexpr (KIND == kNvfp4) {
+      wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(s + 4 * i)[g]);
+      wt.z = make_uint2(0u, 0u);
+    } else {
+      wt.s = s[8 * i + g];
+      wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
+    }
+    // A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+    uint32_t af[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint32_t* lo = reinterpret_cast<const uint32_t*>(x[mt][g]) + 8 * i + t;
+      const uint32_t* hi = reinterpret_cast<const uint32_t*>(x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
+      af[mt][0] = row_lo[mt] ? lo[0] : 0u;
+      af[mt][1] = row_hi[mt] ? hi[0] : 0u;
+      af[mt][2] = row_lo[mt] ? lo[4] : 0u;
+      af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+    }
+#pragma unroll
+    for (int sub = 0; sub < 8; ++sub) {
+      uint32_t b0, b1;
+      dequant_sub<A, KIND>(wt, sub, b0, b1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
+    }
+  }
+}
+
 // Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the chunks kb + kChunk w, kb + kChunk (w + 4), ... of
 // its split. Each warp streams its chunks through its own ring of shared-memory slots filled by cp.async (weights,
 // activations and scales alike, so nothing in the main loop waits on memory except the ring's head); a warp barrier
@@ -345,36 +386,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     advance(src);
     cp_async_commit();
     const Slot& cur = wr[c % WS];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      WTile wt;
-      wt.w = cur.w[i][lane];
-      if constexpr (KIND == kNvfp4) {
-        wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(cur.s + 4 * i)[g]);
-        wt.z = make_uint2(0u, 0u);
-      } else {
-        wt.s = cur.s[8 * i + g];
-        wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(cur.s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
-      }
-      // A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
-      uint32_t af[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint32_t* lo = reinterpret_cast<const uint32_t*>(cur.x[mt][g]) + 8 * i + t;
-        const uint32_t* hi = reinterpret_cast<const uint32_t*>(cur.x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
-        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
-        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
-        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
-        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
-      }
-#pragma unroll
-      for (int sub = 0; sub < 8; ++sub) {
-        uint32_t b0, b1;
-        dequant_sub<A, KIND>(wt, sub, b0, b1);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
-      }
-    }
+    compute_chunk<MT, MR, BF16, KIND>(cur.w, cur.s, cur.x, lane, row_lo, row_hi, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
@@ -544,36 +556,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
     cp_async_commit();
     if (!has_tile) continue;
     const Slot& cur = ring[c % WS];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      WTile wt;
-      wt.w = cur.w[warp][i][lane];
-      if constexpr (KIND == kNvfp4) {
-        wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(cur.s[warp] + 4 * i)[g]);
-        wt.z = make_uint2(0u, 0u);
-      } else {
-        wt.s = cur.s[warp][8 * i + g];
-        wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(cur.s[warp] + 8 * kChunk + 4 * i)[g]
-                                 : make_uint2(0u, 0u);
-      }
-      uint32_t af[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint32_t* lo = reinterpret_cast<const uint32_t*>(cur.x[mt][g]) + 8 * i + t;
-        const uint32_t* hi = reinterpret_cast<const uint32_t*>(cur.x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
-        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
-        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
-        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
-        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
-      }
-#pragma unroll
-      for (int sub = 0; sub < 8; ++sub) {
-        uint32_t b0, b1;
-        dequant_sub<A, KIND>(wt, sub, b0, b1);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
-      }
-    }
+    compute_chunk<MT, MR, BF16, KIND>(cur.w[warp], cur.s[warp], cur.x, lane, row_lo, row_hi, acc);
   }
   cp_async_wait<0>();
   if (!has_tile) return;
