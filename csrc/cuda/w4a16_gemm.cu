@@ -285,12 +285,17 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
 }
 
 // One warp's work on a chunk in shared memory: per k16 step its weights (w[step][lane]), scale / zero-point pieces
-// (s, laid out as ChunkSlot::s) and the A fragments of the staged rows x (rows past M read as zero), dequantized and
-// multiplied into acc.
-template <int MT, int MR, bool BF16, int KIND>
+// (s, laid out as ChunkSlot::s) and the staged rows x (rows past M read as zero), dequantized and multiplied into acc.
+// WT (one m16 tile of at most 8 rows): the weights are mma's A operand and the activations its B (y^T = W x^T), so
+// an mma covers 16 columns and the rows it would pad with zeros are the 8 columns of B: 4 mma per k16 step instead of
+// 8, and acc[0][j] holds columns 16 j + g (+ 8) of rows 2t, 2t + 1 (acc_pos). The packed B fragments of sub-tiles 2j
+// and 2j + 1 are exactly the A fragment of the 16 columns they cover, and a row's A fragment registers a0 / a2 are
+// its B fragment.
+template <int MT, int MR, bool BF16, int KIND, bool WT>
 __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], const uint4* s, const uint4 (&x)[MT][MR][5],
                                               int lane, const bool (&row_lo)[MT], const bool (&row_hi)[MT],
                                               float (&acc)[MT][8][4]) {
+  static_assert(!WT || (MT == 1 && MR == 8), "weights as A: one tile of 8 staged rows");
   using A = DevAct<BF16>;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -304,24 +309,50 @@ __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], cons
       wt.s = s[8 * i + g];
       wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
     }
-    // A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
-    uint32_t af[MT][4];
+    if constexpr (WT) {
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(x[0][g]) + 8 * i + t;  // row g: B fragment column g
+      const uint32_t x0 = row_lo[0] ? xr[0] : 0u, x1 = row_lo[0] ? xr[4] : 0u;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const uint32_t* lo = reinterpret_cast<const uint32_t*>(x[mt][g]) + 8 * i + t;
-      const uint32_t* hi = reinterpret_cast<const uint32_t*>(x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
-      af[mt][0] = row_lo[mt] ? lo[0] : 0u;
-      af[mt][1] = row_hi[mt] ? hi[0] : 0u;
-      af[mt][2] = row_lo[mt] ? lo[4] : 0u;
-      af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+      for (int j = 0; j < 4; ++j) {
+        uint32_t wa[4];  // a0 (column 16 j + g, k 2t..), a1 (16 j + 8 + g), a2 / a3 the same at k 2t + 8..
+        dequant_sub<A, KIND>(wt, 2 * j, wa[0], wa[2]);
+        dequant_sub<A, KIND>(wt, 2 * j + 1, wa[1], wa[3]);
+        mma16816<BF16>(acc[0][j], wa, x0, x1);
+      }
+    } else {
+      // A fragment (row-major m16k16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint32_t* lo = reinterpret_cast<const uint32_t*>(x[mt][g]) + 8 * i + t;
+        const uint32_t* hi = reinterpret_cast<const uint32_t*>(x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
+        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
+        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
+        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
+        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+      }
+#pragma unroll
+      for (int sub = 0; sub < 8; ++sub) {
+        uint32_t b0, b1;
+        dequant_sub<A, KIND>(wt, sub, b0, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
+      }
     }
-#pragma unroll
-    for (int sub = 0; sub < 8; ++sub) {
-      uint32_t b0, b1;
-      dequant_sub<A, KIND>(wt, sub, b0, b1);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mma16816<BF16>(acc[mt][sub], af[mt], b0, b1);
-    }
+  }
+}
+
+// Position (row * 64 + column) in the block's [BM][64] tile of accumulator r of acc[mt][sub] (lane g, t), and whether
+// that slot is used: mma's D layout (row mt * 16 + g (+ 8), columns 8 sub + 2t (+ 1)), or with WT the transposed
+// one of compute_chunk (row 2t (+ 1), column 16 sub + g (+ 8), sub < 4)
+template <bool WT>
+__device__ __forceinline__ int acc_pos(int mt, int sub, int r, int g, int t, int* row) {
+  if constexpr (WT) {
+    *row = 2 * t + (r & 1);
+    return *row * 64 + 16 * sub + g + 8 * (r >> 1);
+  } else {
+    *row = mt * 16 + g + 8 * (r >> 1);
+    return *row * 64 + sub * 8 + 2 * t + (r & 1);
   }
 }
 
@@ -340,6 +371,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   using Slot = ChunkSlot<MT, MR, KIND>;
   constexpr int BM = 16 * MT;
   constexpr int WS = kRingSlots;
+  constexpr bool kWT = MR == 8;  // at most 8 rows: the weights as mma's A operand (compute_chunk)
   static_assert(sizeof(Slot) * WS * 4 >= BM * 64 * sizeof(float), "the reduction reuses the ring");
   extern __shared__ uint4 smem[];
   // the m-blocks of a tile are neighbours in the launch order, so they run together and share its weights in L2
@@ -386,7 +418,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     advance(src);
     cp_async_commit();
     const Slot& cur = wr[c % WS];
-    compute_chunk<MT, MR, BF16, KIND>(cur.w, cur.s, cur.x, lane, row_lo, row_hi, acc);
+    compute_chunk<MT, MR, BF16, KIND, kWT>(cur.w, cur.s, cur.x, lane, row_lo, row_hi, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
@@ -400,10 +432,11 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int sub = 0; sub < 8; ++sub)
+        for (int sub = 0; sub < (kWT ? 4 : 8); ++sub)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const int row = mt * 16 + g + 8 * (r >> 1), i = row * 64 + sub * 8 + 2 * t + (r & 1);
+            int row;
+            const int i = acc_pos<kWT>(mt, sub, r, g, t, &row);
             if (row < rows) red[i] = w == 0 ? acc[mt][sub][r] : red[i] + acc[mt][sub][r];
           }
     }
@@ -556,7 +589,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
     cp_async_commit();
     if (!has_tile) continue;
     const Slot& cur = ring[c % WS];
-    compute_chunk<MT, MR, BF16, KIND>(cur.w[warp], cur.s[warp], cur.x, lane, row_lo, row_hi, acc);
+    compute_chunk<MT, MR, BF16, KIND, false>(cur.w[warp], cur.s[warp], cur.x, lane, row_lo, row_hi, acc);
   }
   cp_async_wait<0>();
   if (!has_tile) return;
