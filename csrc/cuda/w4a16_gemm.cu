@@ -284,6 +284,25 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
   if constexpr (KIND == kNvfp4) c.s += 4 * kChunk * 64;
 }
 
+// Which of a lane's A fragment rows exist: g and g + 8 of each m16 tile (rows 8..15 are not staged where MR = 8)
+template <int MT, int MR>
+__device__ __forceinline__ void row_masks(int m0, int g, int m, bool (&lo)[MT], bool (&hi)[MT]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    lo[mt] = m0 + mt * 16 + g < m;
+    hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < m;
+  }
+}
+template <int MT>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
+}
+
 // One warp's work on a chunk in shared memory: per k16 step its weights (w[step][lane]), scale / zero-point pieces
 // (s, laid out as ChunkSlot::s) and the staged rows x (rows past M read as zero), dequantized and multiplied into acc.
 // WT (one m16 tile of at most 8 rows): the weights are mma's A operand and the activations its B (y^T = W x^T), so
@@ -384,12 +403,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   const int nchunks = warp_chunks(a.k / 16, steps_per_split, split, warp, &first, &end);
 
   float acc[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
+  zero_acc(acc);
 
   // commit group i holds chunk i (empty past nchunks); chunk c is in slot c % WS
   Slot* wr = reinterpret_cast<Slot*>(smem) + warp * WS;
@@ -400,13 +414,8 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     advance(src);
     cp_async_commit();
   }
-  // which of this lane's A fragment rows exist (g and g + 8 of each m16 tile)
   bool row_lo[MT], row_hi[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    row_lo[mt] = m0 + mt * 16 + g < a.m;
-    row_hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < a.m;
-  }
+  row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
   for (int c = 0; c < nchunks; ++c) {
     // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
     cp_async_wait<WS - 2>();
@@ -553,12 +562,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   const int nchunks = (end - kb + kChunk - 1) / kChunk;
 
   float acc[MT][8][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
+  zero_acc(acc);
 
   Slot* ring = reinterpret_cast<Slot*>(smem);
   // chunk sources advance by one chunk (kChunk steps) here, not by four as in the warp-interleaved kernel
@@ -574,11 +578,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
     cp_async_commit();
   }
   bool row_lo[MT], row_hi[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    row_lo[mt] = m0 + mt * 16 + g < a.m;
-    row_hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < a.m;
-  }
+  row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
   for (int c = 0; c < nchunks; ++c) {
     cp_async_wait<WS - 2>();
     __syncthreads();  // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
