@@ -1,17 +1,18 @@
 // A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that csrc/cuda/w4a16_gemm.cu uses, so
-// that g++ can build the kernels unchanged (the file takes HF_W4_CUDA_EMULATE branches only for its inline PTX) and
-// tests/kernels/test_cuda_emulated.py can run them on machines without a GPU. Found before the toolkit's headers
-// through the include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
+// that g++ can build the kernels unchanged (the file takes HF_W4_CUDA_EMULATE branches only for its inline PTX and
+// its launches) and tests/kernels/test_cuda_emulated.py can run them on machines without a GPU. Found before the
+// toolkit's headers through the include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
 //
 // Each block runs as one fiber per thread (ucontext) on the calling thread, blocks one after another. Fibers switch
 // only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads /
 // __syncwarp wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a
 // barrier that can never complete aborts with a message. mma.sync m16n8k16 and __shfl_sync are warp collectives:
 // the lanes deposit their registers, meet, and each computes its own result from the warp's. cp.async copies land at
-// the issuing thread's cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds once to nearest even from the exact fp32
-// result, as the device does for these operands; the mma sums its 16 products in fp32 in k order (the hardware's
-// order is not specified, which the tests' error budgets allow for). Not modelled: timing, memory ordering between
-// blocks (blocks do not run concurrently here), hardware-specific handling of special values.
+// the issuing thread's cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds
+// once to nearest even from the exact fp32 result, as the device does for these operands; the mma sums its 16
+// products in fp32 in k order (the hardware's order is not specified, which the tests' error budgets allow for). Not
+// modelled: timing, memory ordering between blocks (blocks do not run concurrently here), hardware-specific handling
+// of special values.
 #pragma once
 #define HF_W4_CUDA_EMULATE 1
 
