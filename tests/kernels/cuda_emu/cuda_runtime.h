@@ -27,7 +27,9 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <algorithm>
 #include <memory>
+#include <random>
 #include <vector>
 
 #define __global__
@@ -170,7 +172,9 @@ inline void warp_barrier() {
   ++b->events;
 }
 
-// Runs body() as every thread of every block of the grid
+// Runs body() as every thread of every block of the grid. Blocks run in a shuffled order and each round resumes the
+// waiting threads in a shuffled order (fixed seed): no kernel may depend on either, and a fixed order would hide a
+// dependence (e.g. on which split-K block arrives last).
 inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
   const int threads = (int)(blk.x * blk.y * blk.z);
   if (threads > 1024 || blk.y != 1 || blk.z != 1) {
@@ -180,38 +184,45 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
   grid_dim() = grid;
   block_dim() = blk;
   std::unique_ptr<char[]> stacks(new char[threads * kStackBytes]);  // the fibers' stacks, reused block after block
+  std::vector<dim3> blocks;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        BlockState b;
-        b.threads = threads;
-        b.body = body;
-        b.fibers.resize(threads);
-        block() = &b;
-        block_idx() = dim3(x, y, z);
-        for (int t = 0; t < threads; ++t) {
-          Fiber& f = b.fibers[t];
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = stacks.get() + t * kStackBytes;
-          f.ctx.uc_stack.ss_size = kStackBytes;
-          f.ctx.uc_link = nullptr;
-          makecontext(&f.ctx, fiber_main, 0);
-        }
-        while (b.exited < threads) {
-          const uint64_t before = b.events;
-          for (int t = 0; t < threads; ++t) {
-            if (b.fibers[t].done) continue;
-            b.current = t;
-            thread_idx() = dim3(t);
-            swapcontext(&b.scheduler, &b.fibers[t].ctx);
-          }
-          if (b.events == before) {
-            std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) deadlocked at a barrier\n", x, y, z);
-            std::abort();
-          }
-        }
-        block() = nullptr;
+      for (unsigned x = 0; x < grid.x; ++x) blocks.emplace_back(x, y, z);
+  static std::mt19937 rng(1);
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+  std::vector<int> order(threads);
+  for (const dim3& bi : blocks) {
+    BlockState b;
+    b.threads = threads;
+    b.body = body;
+    b.fibers.resize(threads);
+    block() = &b;
+    block_idx() = bi;
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = b.fibers[t];
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = stacks.get() + t * kStackBytes;
+      f.ctx.uc_stack.ss_size = kStackBytes;
+      f.ctx.uc_link = nullptr;
+      makecontext(&f.ctx, fiber_main, 0);
+      order[t] = t;
+    }
+    while (b.exited < threads) {
+      const uint64_t before = b.events;
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int t : order) {
+        if (b.fibers[t].done) continue;
+        b.current = t;
+        thread_idx() = dim3(t);
+        swapcontext(&b.scheduler, &b.fibers[t].ctx);
       }
+      if (b.events == before) {
+        std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) deadlocked at a barrier\n", bi.x, bi.y, bi.z);
+        std::abort();
+      }
+    }
+    block() = nullptr;
+  }
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...)
