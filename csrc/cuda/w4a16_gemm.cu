@@ -127,14 +127,19 @@ struct WTile {
 __device__ __forceinline__ int step_group(int kt, int gsteps, int gshift) { return gshift >= 0 ? kt >> gshift : kt / gsteps; }
 
 // NVFP4 block scales of sub-tiles idx, idx + 1 (E4M3 bytes idx, idx + 1 of word, idx even) as nvfp4_scale_pair
-// prepares them; for fp16 on sm_89+ by the hardware conversion (exact), then the same * 2^6
+// prepares them; for fp16 on sm_89+ by the hardware conversion (exact), then the same * 2^6 (the emulated build
+// takes this path too: the bit moves of the other are checked by tests/kernels/test_cuda_w4a16.py)
 template <class A>
 __device__ __forceinline__ uint32_t scale_pair(uint32_t word, int idx) {
-#if __CUDA_ARCH__ >= 890
+#if defined(HF_W4_CUDA_EMULATE) || __CUDA_ARCH__ >= 890
   if constexpr (!A::kBF16) {
     const uint16_t h = static_cast<uint16_t>(word >> (8 * idx));  // byte idx low, idx + 1 high: halves in order
     uint32_t s2;
+#if defined(HF_W4_CUDA_EMULATE)
+    s2 = hf_w4_emu::cvt_f16x2_e4m3x2(h);
+#else
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"(h));
+#endif
     return A::mul2(s2, 0x54005400u);
   }
 #endif

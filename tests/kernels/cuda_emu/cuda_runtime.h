@@ -265,6 +265,19 @@ inline void cp_async_wait(size_t n) {
   }
 }
 
+// cvt.rn.f16x2.e4m3x2: the E4M3 byte in bits 0..7 to the low fp16 half, bits 8..15 to the high one (exact; 0x7f /
+// 0xff are NaN)
+inline uint32_t cvt_f16x2_e4m3x2(uint16_t v) {
+  uint32_t out = 0;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t b = (v >> (8 * h)) & 0xffu, e = (b >> 3) & 15u, m = b & 7u;
+    float f = (b & 0x7fu) == 0x7fu ? NAN : (e ? std::ldexp(8.0f + m, (int)e - 10) : std::ldexp((float)m, -9));
+    if (b & 0x80u) f = -f;
+    out |= (uint32_t)hf_w4::f32_to_f16_bits(f) << (16 * h);
+  }
+  return out;
+}
+
 // D = A (16 x 16, row) x B (16 x 8, col) + C over the warp's fragments (PTX ISA, mma.m16n8k16 with .f16 / .bf16)
 template <bool BF16>
 void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
