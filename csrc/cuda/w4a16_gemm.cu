@@ -781,8 +781,8 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
   HF_W4_LAUNCH(kernel, grid, threads, 0, stream)(a, ntiles, w);
 }
 
-}  // namespace
-
+// Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API, once;
+// also sets the kernel's shared memory limit).
 int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
   static int cache[16][6][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
@@ -798,6 +798,15 @@ int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
                                                  : blocks_per_sm_any<false, kInt4Sym>(t));
   }
   return c;
+}
+
+}  // namespace
+
+GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, bool wide, int* blocks_per_sm) {
+  const int t = mt ? mt : plan_mt(m, k);
+  const int bps = w4a16_gemm_blocks_per_sm(t, plan_rows(m, t), bf16, kind, wide);
+  if (blocks_per_sm) *blocks_per_sm = bps;
+  return plan_gemm(m, npad, k, sms * bps, mt, wide);
 }
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {

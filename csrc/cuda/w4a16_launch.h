@@ -27,9 +27,10 @@ struct GemmArgs {
   bool bf16;
 };
 
-// Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API,
-// once; also sets the kernel's shared memory limit).
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide);
+// The fused kernel's work split for (M, Npad, K) on the current device with `sms` SMs: m16 tiles per block by the
+// rule (plan_mt) or forced (mt = 1, 2; 0: the rule), the wide kernel or not, split-K for the resident blocks per SM
+// the occupancy API gives (also stored in *blocks_per_sm if given).
+GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, bool wide, int* blocks_per_sm);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);

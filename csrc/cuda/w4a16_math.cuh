@@ -156,6 +156,12 @@ constexpr int kChunk = 2;
 // low) up to 32 rows, and above that too where K < 8192; tiles of two from 33 rows at K >= 8192 (measured on an H100:
 // docs/cuda-kernels.md)
 HF_W4_HD int plan_mt(int m, int k) { return m <= 32 || k < 8192 ? 1 : 2; }
+// GemmArgs::group_shift: log2(group_size / 16) where that is a power of two, else -1 (the fused kernel divides)
+HF_W4_HD int group_shift_of(int group_size) {
+  for (int b = 0; b < 31; ++b)
+    if (group_size / 16 == 1 << b) return b;
+  return -1;
+}
 // rows of each m16 tile staged in shared memory: 8 where the one tile has at most 8 rows (smaller rings, more blocks)
 HF_W4_HD int plan_rows(int m, int mt) { return mt == 1 && m <= 8 ? 8 : 16; }
 

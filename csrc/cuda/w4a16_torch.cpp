@@ -78,11 +78,8 @@ bool wide_kernel() {
 
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
-  const int forced = mt_override(), mt = forced ? forced : plan_mt((int)m, (int)k);
-  const bool wide = wide_kernel();
-  const int bps = w4a16_gemm_blocks_per_sm(mt, plan_rows((int)m, mt), bf16, kind, wide);
-  if (blocks_per_sm) *blocks_per_sm = bps;
-  return plan_gemm((int)m, (int)npad, (int)k, sm_count(device) * bps, mt, wide);
+  return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt_override(), wide_kernel(),
+                         blocks_per_sm);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
@@ -160,10 +157,7 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& qpack, const at::Tenso
   a.npad = (int)npad;
   a.k = (int)k;
   a.group_size = kind == kNvfp4 ? 16 : (int)group_size;
-  const int gsteps = a.group_size / 16;
-  a.group_shift = -1;
-  for (int b = 0; b < 31; ++b)
-    if (gsteps == 1 << b) a.group_shift = b;
+  a.group_shift = group_shift_of(a.group_size);
   a.global_scale = (float)global_scale;
   a.kind = kind;
   a.bf16 = bf16;

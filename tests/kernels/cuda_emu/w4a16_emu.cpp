@@ -54,9 +54,7 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
                    int mt, int wide, int* splits) {
   const int npad = (n + 63) / 64 * 64;
-  const int pmt = mt ? mt : plan_mt(m, k);
-  const int bps = w4a16_gemm_blocks_per_sm(pmt, plan_rows(m, pmt), bf16 != 0, kind, wide != 0);
-  const GemmPlan plan = plan_gemm(m, npad, k, sms * bps, mt, wide != 0);
+  const GemmPlan plan = w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide != 0, nullptr);
   *splits = plan.splits;
   const int gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
@@ -76,9 +74,7 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
   a.npad = npad;
   a.k = k;
   a.group_size = gs;
-  a.group_shift = -1;
-  for (int b = 0; b < 31; ++b)
-    if (a.group_size / 16 == 1 << b) a.group_shift = b;
+  a.group_shift = group_shift_of(gs);
   a.global_scale = global_scale;
   a.kind = kind;
   a.bf16 = bf16 != 0;
