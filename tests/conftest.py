@@ -1,9 +1,11 @@
 """Shared offline fixtures and helpers: a tiny random Llama (fp32) and its variants, checkpoints written from it in
 every format the writers know, and the checkpoint editing the error tests use. Nothing needs network access."""
+import ctypes
 import json
 import os
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -62,6 +64,23 @@ def hf_w4_installed():
     hf_w4.install()
     yield
     hf_w4.uninstall()
+
+
+@pytest.fixture(scope="session")
+def cxx_library(tmp_path_factory):
+    """cxx_library(source, flags, skip_reason, timeout) -> ctypes.CDLL: ``source`` built by g++ as a shared library
+    with ``flags``; skips with ``skip_reason`` where g++ is missing, and a failed build fails with its command and
+    errors (the CPU builds of the CUDA sources in tests/kernels)."""
+    def build(source: str, flags, skip_reason: str, timeout: int = 600) -> ctypes.CDLL:
+        cxx = shutil.which("g++")
+        if cxx is None:
+            pytest.skip(skip_reason)
+        out = tmp_path_factory.mktemp("cxx") / (os.path.splitext(os.path.basename(source))[0] + ".so")
+        cmd = [cxx, *flags, "-shared", "-fPIC", source, "-o", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+        return ctypes.CDLL(str(out))
+    return build
 
 
 def rel_err(a, b) -> float:

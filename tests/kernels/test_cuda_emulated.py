@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -33,17 +31,11 @@ SMS = 132  # an H100's SMs: the split-K plans of the GPU
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found: the emulated CUDA kernels cannot be built")
-    out = tmp_path_factory.mktemp("cuda_emu") / "libw4a16_emu.so"
-    cmd = [cxx, "-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-shared",
-           "-fPIC", "-I", EMU, "-I", os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu"),
-           os.path.join(EMU, "w4a16_emu.cpp"), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
-    lib = ctypes.CDLL(str(out))
+def emu(cxx_library):
+    flags = ["-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-I", EMU, "-I",
+             os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu")]
+    lib = cxx_library(os.path.join(EMU, "w4a16_emu.cpp"), flags,
+                      "g++ not found: the emulated CUDA kernels cannot be built")
     lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
         [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,

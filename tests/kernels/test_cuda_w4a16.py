@@ -40,16 +40,10 @@ def test_nvcc_compiles_sm80_sm90_werror(src, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found: the host build of w4a16_math.cuh cannot be compiled")
-    out = tmp_path_factory.mktemp("w4host") / "libw4a16_host.so"
-    cmd = [cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-I", CUDA_SRC,
-           os.path.join(ROOT, "tests", "kernels", "cuda_host", "w4a16_host.cpp"), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
-    lib = ctypes.CDLL(str(out))
+def host(cxx_library):
+    lib = cxx_library(os.path.join(ROOT, "tests", "kernels", "cuda_host", "w4a16_host.cpp"),
+                      ["-std=c++17", "-O2", "-Wall", "-Werror", "-I", CUDA_SRC],
+                      "g++ not found: the host build of w4a16_math.cuh cannot be compiled", timeout=300)
     lib.hf_w4_host_dequant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
     lib.hf_w4_host_check_plan.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)]
     for f in ("hf_w4_host_e2m1", "hf_w4_host_e4m3", "hf_w4_host_int4", "hf_w4_host_f16_round"):
