@@ -34,7 +34,6 @@
 
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
@@ -53,7 +52,7 @@ inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 // ---- runtime API: what the launch code calls
 typedef void* cudaStream_t;
-enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaError_t { cudaSuccess = 0 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize, cudaFuncAttributePreferredSharedMemoryCarveout };
 enum { cudaSharedmemCarveoutMaxShared = 100 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
@@ -113,8 +112,6 @@ inline BlockState*& block() {
 }
 inline dim3& thread_idx() { static dim3 v; return v; }
 inline dim3& block_idx() { static dim3 v; return v; }
-inline dim3& block_dim() { static dim3 v; return v; }
-inline dim3& grid_dim() { static dim3 v; return v; }
 
 inline int tid() { return (int)thread_idx().x; }
 inline void yield() {
@@ -181,8 +178,6 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
     std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) not supported\n", blk.x, blk.y, blk.z);
     std::abort();
   }
-  grid_dim() = grid;
-  block_dim() = blk;
   std::unique_ptr<char[]> stacks(new char[threads * kStackBytes]);  // the fibers' stacks, reused block after block
   std::vector<dim3> blocks;
   for (unsigned z = 0; z < grid.z; ++z)
@@ -314,8 +309,6 @@ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 
 #define threadIdx (hf_w4_emu::thread_idx())
 #define blockIdx (hf_w4_emu::block_idx())
-#define blockDim (hf_w4_emu::block_dim())
-#define gridDim (hf_w4_emu::grid_dim())
 
 inline void __syncthreads() { hf_w4_emu::block_barrier(); }
 inline int __syncthreads_or(int pred) {
