@@ -45,17 +45,39 @@ int sm_count(int device) {
 }
 
 // The split-K tile counters of a call: zero on entry, and every launch leaves them zero (the last block of a tile
-// resets its counter), so one buffer per device and stream is zeroed once instead of by a memset kernel per call.
-// During CUDA graph capture a call takes a zeroed buffer of its own, which the graph then owns.
+// resets its counter). Outside graph capture one buffer per device and stream serves every call. A captured call
+// takes a slice of its own from a per-device arena zeroed outside capture, never handed out twice: the graph then
+// needs no zeroing node (an extra kernel in every replay), and graphs replayed side by side never share counters.
+// Where the arena has no room (it is refilled only by calls outside capture), the graph zeroes a buffer of its own.
+struct CounterArena {
+  at::Tensor free;                  // zeroed, not yet handed out
+  std::vector<at::Tensor> retired;  // earlier arenas: captured graphs still use their slices
+};
+constexpr int64_t kArenaInts = 1 << 18;  // 1 MiB; a call needs at most one counter per block of one wave
+
 at::Tensor split_counters(int64_t n, const at::Tensor& like) {
   const auto options = like.options().dtype(at::kInt);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
-    return at::zeros({n}, options);
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   static std::mutex mu;
   // never destroyed: freeing CUDA memory during static destruction can run after the CUDA runtime has shut down
   static auto* cache = new std::map<std::pair<int, c10::StreamId>, at::Tensor>();
+  static auto* arenas = new std::map<int, CounterArena>();
+  const int device = static_cast<int>(like.get_device());
   const std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& t = (*cache)[{static_cast<int>(like.get_device()), c10::cuda::getCurrentCUDAStream().id()}];
+  CounterArena& arena = (*arenas)[device];
+  if (capturing) {
+    if (!arena.free.defined() || arena.free.numel() < n) return at::zeros({n}, options);
+    at::Tensor slice = arena.free.narrow(0, 0, n);
+    arena.free = arena.free.narrow(0, n, arena.free.numel() - n);
+    return slice;
+  }
+  if (!arena.free.defined() || arena.free.numel() < kArenaInts / 2) {
+    if (arena.free.defined()) arena.retired.push_back(arena.free);
+    arena.free = at::zeros({kArenaInts}, options);
+    // zeroed before any graph captured from now on can replay, whatever stream replays it
+    C10_CUDA_CHECK(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream()));
+  }
+  at::Tensor& t = (*cache)[{device, c10::cuda::getCurrentCUDAStream().id()}];
   if (!t.defined() || t.numel() < n) t = at::zeros({std::max<int64_t>(n, 4096)}, options);
   return t;
 }

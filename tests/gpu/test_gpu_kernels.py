@@ -149,6 +149,50 @@ def test_split_k_counters_are_reused_across_calls_and_streams():
     assert all(torch.equal(a, b) for a, b in zip(side, first))
 
 
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture, as torch.cuda.graph asks for
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_split_k_in_cuda_graphs_replayed_side_by_side():
+    """Captured calls that split K take counters of their own (zeroed outside capture): two graphs of the same calls,
+    replayed many times, alternately and concurrently on two streams, give the eager outputs every time."""
+    spec, qw = make_qweight("gptq", 4096, 4096, 128, device="cuda")
+    kern, layer = _layer(spec, qw)
+    xs = [torch.randn(m, 4096, device="cuda").to(torch.bfloat16) for m in (1, 2, 16, 1)]
+    eager = [kern.apply(layer, x, None) for x in xs]
+    graphs = [_capture(lambda: [kern.apply(layer, x, None) for x in xs]) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for _ in range(20):
+        for (graph, _), s in zip(graphs, streams):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                graph.replay()
+        for (_, outs), s in zip(graphs, streams):
+            torch.cuda.current_stream().wait_stream(s)
+            assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
+def test_captured_split_k_call_is_one_kernel():
+    """A replayed graph of split-K calls runs the fused kernel alone per call (no zeroing of its counters)."""
+    spec, qw = make_qweight("gptq", 4096, 4096, 128, device="cuda")
+    kern, layer = _layer(spec, qw)
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    graph, _ = _capture(lambda: [kern.apply(layer, x, None) for _ in range(3)])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 3 and all("w4a16_gemm_kernel" in k for k in kernels), kernels
+
 def test_autograd_input_gradient():
     spec, qw = make_qweight("ct_pack", 128, 256, 64, device="cuda")
     kern, layer = _layer(spec, qw)
