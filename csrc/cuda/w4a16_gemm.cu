@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   constexpr int BM = 16 * MT;
   constexpr int WS = kRingSlots;
   constexpr bool kWT = MR == 8;  // at most 8 rows: the weights as mma's A operand (compute_chunk)
-  static_assert(sizeof(Slot) * WS * 4 >= BM * 64 * sizeof(float), "the reduction reuses the ring");
+  static_assert(sizeof(Slot) * WS * 4 >= 4 * BM * 64 * sizeof(float), "the reduction reuses the ring");
   extern __shared__ uint4 smem[];
   // the m-blocks of a tile are neighbours in the launch order, so they run together and share its weights in L2
   const int mb = blockIdx.x, nt = blockIdx.y, split = blockIdx.z;
@@ -438,24 +438,23 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
 
   // Only the block's rows below M are reduced, stored and read back (M = 1 touches 64 of the BM x 64 values).
-  // accumulator c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols)
+  // Each warp stores its sums in a region of its own, then every value is added up in warp order by one thread,
+  // which keeps the sum in region 0 (red) and alone reads it back below.
   float* red = reinterpret_cast<float*>(smem);
   const int rows = a.m - m0 < BM ? a.m - m0 : BM, nvals = rows * 64;
-  for (int w = 0; w < 4; ++w) {
-    if (warp == w) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int sub = 0; sub < (kWT ? 4 : 8); ++sub)
+    for (int sub = 0; sub < (kWT ? 4 : 8); ++sub)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            int row;
-            const int i = acc_pos<kWT>(mt, sub, r, g, t, &row);
-            if (row < rows) red[i] = w == 0 ? acc[mt][sub][r] : red[i] + acc[mt][sub][r];
-          }
-    }
-    __syncthreads();
-  }
+      for (int r = 0; r < 4; ++r) {
+        int row;
+        const int i = acc_pos<kWT>(mt, sub, r, g, t, &row);
+        if (row < rows) red[warp * (BM * 64) + i] = acc[mt][sub][r];
+      }
+  __syncthreads();
+  for (int i = tid; i < nvals; i += 128)
+    red[i] = ((red[i] + red[BM * 64 + i]) + red[2 * BM * 64 + i]) + red[3 * BM * 64 + i];
 
   if (splits > 1) {
     float* part = a.workspace + (size_t)(mb * ntiles + nt) * splits * (BM * 64);
