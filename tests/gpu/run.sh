@@ -56,14 +56,15 @@ stage gpu-models 150 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
 stage benchmark 90 python tests/gpu/bench_cuda.py
-# Nsight Compute on the fused kernel at one decode shape (the report goes to $OUT); informational: machines whose
-# runtime hides the counters pass it with a note
+# Nsight Compute on the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost
+# of a call); the reports go to $OUT. Informational: machines whose runtime hides the counters pass it with a note
 if command -v ncu >/dev/null; then
-  stage profile 60 bash -c 'f=${OUT:-/tmp}/ncu_28672x8192_m1.txt; ncu --clock-control none -k regex:w4a16_gemm_kernel \
-    --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy \
-    --metrics smsp__inst_executed.sum python tests/gpu/profile_cuda.py 28672 8192 1 int4 > "$f" 2>&1;
+  stage profile 90 bash -c 'for s in "28672 8192" "4096 4096"; do f=${OUT:-/tmp}/ncu_${s/ /x}_m1.txt;
+    ncu --clock-control none -k regex:w4a16_gemm_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section Occupancy --metrics smsp__inst_executed.sum \
+      python tests/gpu/profile_cuda.py $s 1 int4 > "$f" 2>&1;
     grep -E "plan|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|inst_executed" "$f" ||
-    { echo "ncu read no counters here (informational, not a failure):"; tail -n 3 "$f"; }'
+      { echo "ncu read no counters here (informational, not a failure):"; tail -n 3 "$f"; }; done'
 else
   echo; echo "=== profile: skipped (no ncu on PATH)"
 fi
