@@ -210,7 +210,9 @@ struct ChunkSlot {
   uint4 s[scale_pieces<KIND>()];
 };
 
-constexpr int kRingSlots = 4;  // per warp: 3 chunks in flight while one is computed
+// per warp: 2 chunks in flight while one is computed (cover enough for the DRAM latency; a fourth slot costs more
+// in resident blocks than it gains: shared memory is what limits them)
+constexpr int kRingSlots = 3;
 template <int MT, int MR, int KIND>
 constexpr int ring_bytes() { return 4 * kRingSlots * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
 
@@ -421,18 +423,20 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   }
   bool row_lo[MT], row_hi[MT];
   row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
+  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
   for (int c = 0; c < nchunks; ++c) {
     // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
     cp_async_wait<WS - 2>();
     __syncwarp();
     // refill the slot computed at chunk c - 1 with chunk c + WS - 1 (the barrier above ordered its reads first)
     const int kt = first + 4 * kChunk * c;
-    if (c + WS - 1 < nchunks)
-      copy_chunk(wr[(c + WS - 1) % WS], src, a, kt + 4 * kChunk * (WS - 1), end, lane, gsteps);
+    if (c + WS - 1 < nchunks) copy_chunk(wr[refill], src, a, kt + 4 * kChunk * (WS - 1), end, lane, gsteps);
     advance(src);
     cp_async_commit();
-    const Slot& cur = wr[c % WS];
+    const Slot& cur = wr[slot];
     compute_chunk<MT, MR, BF16, KIND, kWT>(cur.w, cur.s, cur.x, lane, row_lo, row_hi, acc);
+    refill = slot;
+    slot = slot + 1 == WS ? 0 : slot + 1;
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
@@ -583,16 +587,20 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   }
   bool row_lo[MT], row_hi[MT];
   row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
+  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
   for (int c = 0; c < nchunks; ++c) {
     cp_async_wait<WS - 2>();
     __syncthreads();  // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
     const int kt = kb + kChunk * c;
     if (c + WS - 1 < nchunks)
-      copy_wide_chunk(ring[(c + WS - 1) % WS], src, a, kt + kChunk * (WS - 1), end, m0, warp, lane, gsteps, has_tile);
+      copy_wide_chunk(ring[refill], src, a, kt + kChunk * (WS - 1), end, m0, warp, lane, gsteps, has_tile);
     next();
     cp_async_commit();
+    const int now = slot;
+    refill = slot;
+    slot = slot + 1 == WS ? 0 : slot + 1;
     if (!has_tile) continue;
-    const Slot& cur = ring[c % WS];
+    const Slot& cur = ring[now];
     compute_chunk<MT, MR, BF16, KIND, false>(cur.w[warp], cur.s[warp], cur.x, lane, row_lo, row_hi, acc);
   }
   cp_async_wait<0>();
