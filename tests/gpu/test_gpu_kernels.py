@@ -193,6 +193,7 @@ def test_captured_split_k_call_is_one_kernel():
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 3 and all("w4a16_gemm_kernel" in k for k in kernels), kernels
 
+
 def test_autograd_input_gradient():
     spec, qw = make_qweight("ct_pack", 128, 256, 64, device="cuda")
     kern, layer = _layer(spec, qw)
