@@ -28,8 +28,9 @@ struct GemmArgs {
 };
 
 // The fused kernel's work split for (M, Npad, K) on the current device with `sms` SMs: m16 tiles per block by the
-// rule (plan_mt) or forced (mt = 1, 2; 0: the rule), the wide kernel or not, split-K for the resident blocks per SM
-// the occupancy API gives (also stored in *blocks_per_sm if given).
+// rule (plan_mt; two tiles at 9-16 rows where one wave of them holds every column tile) or forced (mt = 1, 2; 0:
+// the rule), the wide kernel or not, split-K for the resident blocks per SM the occupancy API gives (also stored in
+// *blocks_per_sm if given).
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, bool wide, int* blocks_per_sm);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
