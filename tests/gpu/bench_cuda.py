@@ -9,9 +9,17 @@ replays. Columns: microseconds per call, speed-up over dense in the same
 dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
 last, the path the layer takes at this M (bf16): "deq+mm", or "fused" with the fused kernel's k splits and resident
 blocks per SM for int4 / NVFP4.
+
+    python tests/gpu/bench_cuda.py [--json FILE]        # the table (and its times as JSON)
+    python tests/gpu/bench_cuda.py --compare BASE NEW   # two JSON files of one run: NEW's time / BASE's per cell
+
+The comparison is how a kernel change is judged: run.sh benchmarks a baseline source tree in the same run (on the
+same GPU) when HF_W4_GPU_BASELINE names one (docs/cuda-kernels.md, "GPU check").
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -103,8 +111,9 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
-def _tilings(n: int, k: int, i4, copies: int) -> str:
-    """The fused kernel at M = 1, 16, 32, 64 with each tiling forced (MT 1 / 2, warp-interleaved / wide)."""
+def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
+    """The fused kernel at M = 1, 16, 32, 64 with each tiling forced (MT 1 / 2, warp-interleaved / wide); the times
+    also go into ``record`` by cell name."""
     cells = []
     for m in (1, 16, 32, 64):
         x = torch.randn(m, k, device="cuda").bfloat16()
@@ -118,10 +127,40 @@ def _tilings(n: int, k: int, i4, copies: int) -> str:
                 finally:
                     del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
                 cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if mt == rule else ' '} {us:6.1f}")
+                record[f"{n}x{k} M={m} mt{mt}{'w' if wide == '1' else ''}"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 
 
-def main() -> int:
+COMPARED = ("fp16", "bf16", "i4 fp16", "i4 bf16", "f4 fp16", "f4 bf16")  # dense, int4, NVFP4 per dtype
+
+
+def compare(base: dict, new: dict) -> list:
+    """Lines of NEW's time / BASE's (< 1: NEW is faster) for every cell both hold; dense F.linear is the control
+    (the same code in both: its ratios show the run's noise)."""
+    lines = [f"{'':>18} | " + " ".join(f"{c:>8}" for c in COMPARED)]
+    for key, t in new["times"].items():
+        b = base["times"].get(key)
+        if b:
+            lines.append(f"{key:>18} | " + " ".join(f"{t[c] / b[c]:8.3f}" if b.get(c) and t.get(c) else f"{'':>8}"
+                                                    for c in COMPARED))
+    tiles = [f"{key} {new['tilings'][key] / base['tilings'][key]:.3f}" for key in new["tilings"]
+             if base["tilings"].get(key)]
+    if tiles:
+        lines.append("fused kernel tilings, int4 bf16: " + ", ".join(tiles))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the times to this file")
+    ap.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="compare two --json files and exit")
+    a = ap.parse_args(argv)
+    if a.compare:
+        with open(a.compare[0]) as f0, open(a.compare[1]) as f1:
+            base, new = json.load(f0), json.load(f1)
+        print(f"time of {a.compare[1]} / time of {a.compare[0]} ({new.get('device')}; < 1: faster)")
+        print("\n".join(compare(base, new)))
+        return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     ok, why = cw.CudaW4A16Kernel.is_supported()  # loads (or JIT-builds) the CUDA library
     if not ok:
@@ -136,6 +175,7 @@ def main() -> int:
            f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5} | path")
     targets = []
     tilings = []
+    record = {"device": torch.cuda.get_device_name(), "times": {}, "tilings": {}}
     int4pack_note = None
     for n, k in SHAPES:
         print(hdr)
@@ -186,6 +226,7 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - reported once, the table goes on
                     int4pack_note = f"torch._weight_int4pack_mm timing failed: {type(e).__name__}: {str(e)[:120]}"
                     i4pack = None
+            record["times"][f"{n}x{k} M={m}"] = t
             sp = {key: t[key[3:]] / t[key] for key in ("i4 fp16", "i4 bf16", "f4 fp16", "f4 bf16")}
             gb_i4 = i4_bytes / (t["i4 bf16"] * 1e-6) / 1e9
             gb_f4 = f4_bytes / (t["f4 bf16"] * 1e-6) / 1e9
@@ -205,7 +246,7 @@ def main() -> int:
             elif m >= 1024:
                 targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
-        tilings.append(_tilings(n, k, i4, cq))
+        tilings.append(_tilings(n, k, i4, cq, record["tilings"]))
         dense = i4 = f4 = i4pack = None  # free this shape's weights (rebound, not deleted: closures read them)
         torch.cuda.empty_cache()
     print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")
@@ -219,6 +260,9 @@ def main() -> int:
     print(f"speed targets (worst of fp16 / bf16): {met} of {len(targets)} met")
     for what, ok, v in targets:
         print(f"  {'MET   ' if ok else 'MISSED'} {what}: {v:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(record, f, indent=1)
     return 1 if ERRORS else 0
 
 

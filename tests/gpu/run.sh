@@ -6,6 +6,9 @@
 # (HF_W4_NO_EXT=1): the pure-PyTorch reference is the oracle. Output also goes to $OUT/gpu.log when OUT is set. Exit
 # status 0 only if every stage passed.
 #   bash tests/gpu/run.sh
+# A kernel change is judged against a baseline benchmarked in the same run: HF_W4_GPU_BASELINE=DIR names another
+# source tree (e.g. `git archive REV hf_w4 csrc setup.py setup.cfg | tar -x -C DIR`), whose library is built apart
+# and timed by this tree's benchmark, then the two are compared cell by cell.
 set -u
 cd "$(dirname "$0")/../.." || exit 2
 ROOT=$(pwd)
@@ -55,7 +58,14 @@ stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 
 stage gpu-models 150 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_models.py -k "not compile and not graph and not generate"
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
-stage benchmark 90 python tests/gpu/bench_cuda.py
+BENCH_DIR=${OUT:-/tmp}
+stage benchmark 90 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
+if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
+  BASE=$(cd "$HF_W4_GPU_BASELINE" && pwd)
+  stage baseline-benchmark 150 env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline \
+    python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench_baseline.json"
+  stage compare 20 python tests/gpu/bench_cuda.py --compare "$BENCH_DIR/bench_baseline.json" "$BENCH_DIR/bench.json"
+fi
 # Nsight Compute on the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost
 # of a call); the reports go to $OUT. Informational: machines whose runtime hides the counters pass it with a note
 if command -v ncu >/dev/null; then
