@@ -1,6 +1,7 @@
 """Speed of the cuda_w4a16 kernels against dense F.linear on one GPU (run by tests/gpu/run.sh).
 
-Per Llama-3 layer shape (N x K: 4096x4096, 14336x4096, 4096x14336, 28672x8192) and M: dense F.linear in fp16 and
+Per Llama-3 layer shape (N x K: 1024x4096, without speed targets, then 4096x4096, 14336x4096, 4096x14336,
+28672x8192) and M: dense F.linear in fp16 and
 bf16, int4 (group 128, symmetric) and NVFP4 in fp16 and bf16 through the layer's own choice (fused kernel below
 HF_W4_CUDA_LARGE_M rows, dequantize + cuBLAS from there), both paths separately (the crossover), and
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 
 from hf_w4.kernels import cuda_w4a16 as cw
 
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]   # (N, K)
+TARGET_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]   # (N, K), with speed targets
+# and Llama-3 8B's k / v projections (grouped-query attention: N = 1024), the smallest call of a decode step
+SHAPES = [(1024, 4096)] + TARGET_SHAPES
 MS = [1, 4, 16, 64, 256, 1024, 2048]
 ROUNDS = 7
 L2_BYTES = 50 << 20
@@ -237,6 +240,8 @@ def main(argv=None) -> int:
                   f"{t['i4 deq']:8.1f} | " + (f"{tp:8.1f} {t['bf16'] / tp:5.2f}" if tp else f"{'n/a':>8} {'':>5}")
                   + f" | {path(m, n, k, large)}")
             worst_i4, worst_f4 = min(sp["i4 fp16"], sp["i4 bf16"]), min(sp["f4 fp16"], sp["f4 bf16"])
+            if (n, k) not in TARGET_SHAPES:
+                continue
             if m <= 16:
                 targets.append((f"{n}x{k} M={m} int4 >= 3.0x", worst_i4 >= 3.0, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 >= 2.8x", worst_f4 >= 2.8, worst_f4))
