@@ -59,9 +59,11 @@ VARIABLES = (
     Variable("HF_W4_CUDA_LARGE_M", "Python", "a number of rows", "cuda_w4a16: from this many rows on, dequantize the "
              "layer and run cuBLAS instead of the fused kernel (default 128; read when a layer is prepared)"),
     Variable("HF_W4_CUDA_MT", "C++", "1 / 2", "cuda_w4a16's fused kernel: m16 row tiles per block instead of the "
-             "rule (1 up to 32 rows or below K = 8192, else 2); read on every call"),
-    Variable("HF_W4_CUDA_WIDE", "C++", "1", "cuda_w4a16: the wide fused kernel (4 column tiles per block sharing the "
-             "activations) instead of the warp-interleaved one; read on every call"),
+             "rule (1 up to 32 rows or below K = 8192, else 2; 2 at 9-16 rows where one wave of such blocks holds the "
+             "layer); read on every call"),
+    Variable("HF_W4_CUDA_WIDE", "C++", "1 / 0", "cuda_w4a16: the wide fused kernel (4 column tiles per block sharing "
+             "the activations) forced on or off, instead of the rule (on at 9-64 rows of layers of at least three "
+             "64-column tiles per SM); read on every call"),
     Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
              "does not know, for its %-of-bandwidth column"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),

@@ -812,15 +812,24 @@ int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
 
 }  // namespace
 
-GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, bool wide, int* blocks_per_sm) {
+GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm) {
   int t = mt ? mt : plan_mt(m, k);
-  // 9-16 rows: blocks of two m16 tiles (the second one empty) where one wave of them holds every column tile. Fewer
-  // blocks reside and K is split fewer times; measured 3-17 % faster than one tile at M = 16 on three of the
-  // benchmark's shapes on an H100 and an H200 (the fourth, 28672 x 8192, needs two waves of them and is slower)
-  if (!mt && !wide && m > 8 && m <= 16 && npad / 64 <= sms * w4a16_gemm_blocks_per_sm(2, 16, bf16, kind, false)) t = 2;
-  const int bps = w4a16_gemm_blocks_per_sm(t, plan_rows(m, t), bf16, kind, wide);
+  bool w = wide > 0;
+  if (!mt && wide < 0 && m > 8 && m <= 64 && npad / 64 >= 3 * sms) {
+    // 9-64 rows of a layer of at least three waves of column tiles (70B-class gate / up projections): the wide
+    // kernel, one m16 tile per block up to 16 rows, two above; on 28672 x 8192 6-30 % faster at M = 16, 32 and 64
+    // than the plain kernel's tiling, in the tiling tables of an H100 and two H200 runs (slower on narrower layers)
+    w = true;
+    t = m <= 16 ? 1 : 2;
+  } else if (!mt && !w && m > 8 && m <= 16 && npad / 64 <= sms * w4a16_gemm_blocks_per_sm(2, 16, bf16, kind, false)) {
+    // 9-16 rows: blocks of two m16 tiles (the second one empty) where one wave of them holds every column tile. Fewer
+    // blocks reside and K is split fewer times; measured 3-17 % faster than one tile at M = 16 on three of the
+    // benchmark's shapes on an H100 and an H200 (the fourth, 28672 x 8192, needs two waves of them and is slower)
+    t = 2;
+  }
+  const int bps = w4a16_gemm_blocks_per_sm(t, plan_rows(m, t), bf16, kind, w);
   if (blocks_per_sm) *blocks_per_sm = bps;
-  return plan_gemm(m, npad, k, sms * bps, t, wide);
+  return plan_gemm(m, npad, k, sms * bps, t, w);
 }
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {

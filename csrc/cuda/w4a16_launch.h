@@ -27,11 +27,12 @@ struct GemmArgs {
   bool bf16;
 };
 
-// The fused kernel's work split for (M, Npad, K) on the current device with `sms` SMs: m16 tiles per block by the
-// rule (plan_mt; two tiles at 9-16 rows where one wave of them holds every column tile) or forced (mt = 1, 2; 0:
-// the rule), the wide kernel or not, split-K for the resident blocks per SM the occupancy API gives (also stored in
-// *blocks_per_sm if given).
-GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, bool wide, int* blocks_per_sm);
+// The fused kernel's work split for (M, Npad, K) on the current device with `sms` SMs: m16 tiles per block forced
+// (mt = 1, 2) or by the rule (mt = 0: plan_mt, two tiles at 9-16 rows where one wave of them holds every column
+// tile), the wide kernel forced on or off (wide = 1, 0) or by the rule (-1: at 9-64 rows of layers of at least three
+// waves of column tiles, where it then takes the tiling), split-K for the resident blocks per SM the occupancy API
+// gives (also stored in *blocks_per_sm if given).
+GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);

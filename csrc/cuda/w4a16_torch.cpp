@@ -92,10 +92,14 @@ int mt_override() {
   return std::stoi(v);
 }
 
-// HF_W4_CUDA_WIDE=1: the wide kernel (blocks of 4 column tiles sharing the activations); read per call
-bool wide_kernel() {
+// HF_W4_CUDA_WIDE=1 / 0: the wide kernel (blocks of 4 column tiles sharing the activations) or not, instead of the
+// rule (-1 when unset); read per call
+int wide_kernel() {
   const char* e = std::getenv("HF_W4_CUDA_WIDE");
-  return e && std::string(e) == "1";
+  if (!e || !*e) return -1;
+  const std::string v(e);
+  TORCH_CHECK(v == "0" || v == "1", "HF_W4_CUDA_WIDE='", v, "': expected 1 (the wide kernel) or 0 (not)");
+  return v == "1";
 }
 
 // the fused kernel's work split for this call on ``device``
@@ -215,7 +219,7 @@ std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weig
   const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
   int bps = 0;
   const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
-  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps};
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0};
 }
 
 }  // namespace

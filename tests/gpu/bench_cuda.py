@@ -111,7 +111,7 @@ def path(m: int, n: int, k: int, large: int) -> str:
         f4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "nvfp4", False, True)
     except Exception as e:  # noqa: BLE001 - a report column only
         return f"fused (plan n/a: {type(e).__name__})"
-    return f"fused mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
+    return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
 def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
@@ -120,7 +120,8 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
     cells = []
     for m in (1, 16, 32, 64):
         x = torch.randn(m, k, device="cuda").bfloat16()
-        rule = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
+        rule = (plan[0], str(plan[6]))
         for mt in (1, 2):
             for wide in ("0", "1"):
                 os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"] = str(mt), wide
@@ -129,7 +130,7 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
                                                                          "int4", 1.0), copies, 20)
                 finally:
                     del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
-                cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if mt == rule else ' '} {us:6.1f}")
+                cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if (mt, wide) == rule else ' '} {us:6.1f}")
                 record[f"{n}x{k} M={m} mt{mt}{'w' if wide == '1' else ''}"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 

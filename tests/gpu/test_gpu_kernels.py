@@ -229,10 +229,12 @@ def test_plan_reports_a_split_covering_k():
     assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
-        mt, mblocks, ntiles, splits, steps, bps = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        mt, mblocks, ntiles, splits, steps, bps, wide = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
         assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
         assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert wide == (8 < m <= 64 and ntiles >= 3 * sms), (m, n, wide)  # the wide kernel's rule
     with pytest.raises(RuntimeError, match="weight_type 'int8' is not supported"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)
 

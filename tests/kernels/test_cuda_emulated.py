@@ -38,6 +38,7 @@ def emu(cxx_library):
                       "g++ not found: the emulated CUDA kernels cannot be built")
     lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
         [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -65,13 +66,15 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False):
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None):
+        """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
         splits = ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
-                                int(dtype == torch.bfloat16), self.kern.global_scale, SMS, mt, int(wide),
+                                int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
+                                -1 if wide is None else int(wide),
                                 ctypes.byref(splits))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
         return y, splits.value
@@ -115,6 +118,34 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
             check_kernel_output(y, x[:m], wk, 1.0, None, U[torch.bfloat16], False,
                                 f"mt={mt} wide={wide} N={n} K={k} M={m} splits={splits}")
             assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
+
+
+def _plan(lib, m, n, k, sms, mt=0, wide=-1):
+    out = (ctypes.c_int * 6)()
+    lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, out)
+    return dict(zip(("mt", "mr", "mblocks", "ntiles", "splits", "wide"), out))
+
+
+def test_plan_rules_emulated(emu):
+    """The tiling rules on a small GPU (4 SMs; this stand-in's occupancy: 3 two-tile blocks per SM, as on an H100):
+    the wide kernel at 9-64 rows where there are three column tiles per SM (one m16 tile up to 16 rows, two above),
+    two tiles at 9-16 rows where one wave of them holds every column tile, forced choices kept; and a call the rule
+    sends to the wide kernel gives the bits of the forced wide kernel."""
+    wide_n, narrow_n = 64 * 12, 64 * 11
+    assert _plan(emu, 16, wide_n, 256, 4) | {"splits": 0} == dict(mt=1, mr=16, mblocks=1, ntiles=12, splits=0, wide=1)
+    assert _plan(emu, 40, wide_n, 256, 4)["mt"] == 2 and _plan(emu, 40, wide_n, 256, 4)["wide"] == 1
+    for m in (8, 65):
+        assert _plan(emu, m, wide_n, 256, 4)["wide"] == 0, m
+    assert _plan(emu, 16, narrow_n, 256, 4)["wide"] == 0 and _plan(emu, 16, narrow_n, 256, 4)["mt"] == 2  # 11 <= 12
+    assert _plan(emu, 16, 64 * 13, 256, 4, wide=0)["mt"] == 1  # 13 tiles: a second wave of two-tile blocks
+    assert _plan(emu, 16, wide_n, 256, 4, mt=2)["wide"] == 0 and _plan(emu, 16, wide_n, 256, 4, wide=0)["wide"] == 0
+    case = next(c for c in LAYOUTS if c[1] == "gptq")
+    layer = Layer(case, 128, wide_n, 256, seed=3)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y, _ = layer.gemm(emu, x, torch.bfloat16, wide=None, sms=4)
+    check_kernel_output(y, x, kernel_dtype_weight(layer.qw, torch.bfloat16), 1.0, None, U[torch.bfloat16], False,
+                        "the plan's rule at M=16")
+    assert torch.equal(y, layer.gemm(emu, x, torch.bfloat16, mt=1, wide=True, sms=4)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
