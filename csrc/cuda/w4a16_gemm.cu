@@ -824,7 +824,7 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
   } else if (!mt && !w && m > 8 && m <= 16 && npad / 64 <= sms * w4a16_gemm_blocks_per_sm(2, 16, bf16, kind, false)) {
     // 9-16 rows: blocks of two m16 tiles (the second one empty) where one wave of them holds every column tile. Fewer
     // blocks reside and K is split fewer times; measured 3-17 % faster than one tile at M = 16 on three of the
-    // benchmark's shapes on an H100 and an H200 (the fourth, 28672 x 8192, needs two waves of them and is slower)
+    // benchmark's shapes on an H100 and an H200 (the fourth, 28672 x 8192, would need two waves of them)
     t = 2;
   }
   const int bps = w4a16_gemm_blocks_per_sm(t, plan_rows(m, t), bf16, kind, w);
