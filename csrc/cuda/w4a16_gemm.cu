@@ -816,7 +816,7 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
   int t = mt ? mt : plan_mt(m, k);
   bool w = wide > 0;
   if (!mt && wide < 0 && m > 8 && m <= 64 && npad / 64 >= 3 * sms) {
-    // 9-64 rows of a layer of at least three waves of column tiles (70B-class gate / up projections): the wide
+    // 9-64 rows of a layer of at least three column tiles per SM (70B-class gate / up projections): the wide
     // kernel, one m16 tile per block up to 16 rows, two above; on 28672 x 8192 6-30 % faster at M = 16, 32 and 64
     // than the plain kernel's tiling, in the tiling tables of an H100 and two H200 runs (slower on narrower layers)
     w = true;
