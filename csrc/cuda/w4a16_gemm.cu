@@ -294,6 +294,31 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
   if constexpr (KIND == kNvfp4) c.s += 4 * kChunk * 64;
 }
 
+// The ring both fused kernels stream their chunks through: WS slots, chunk c in slot c % WS, WS - 1 chunks in flight
+// ahead of the one computed, one cp.async commit group per chunk (empty past nchunks). fill(slot, c) issues chunk c's
+// copies (none past nchunks) and advances the sources; sync() makes chunk c visible to every thread that reads it and
+// orders the reads of chunk c - 1's slot before that slot is refilled; compute(slot) consumes chunk c.
+template <int WS, class Fill, class Sync, class Compute>
+__device__ __forceinline__ void stream_ring(int nchunks, Fill&& fill, Sync&& sync, Compute&& compute) {
+#pragma unroll
+  for (int p = 0; p < WS - 1; ++p) {
+    fill(p, p);
+    cp_async_commit();
+  }
+  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
+  for (int c = 0; c < nchunks; ++c) {
+    // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
+    cp_async_wait<WS - 2>();
+    sync();
+    fill(refill, c + WS - 1);
+    cp_async_commit();
+    compute(slot);
+    refill = slot;
+    slot = slot + 1 == WS ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+}
+
 // Which of a lane's A fragment rows exist: g and g + 8 of each m16 tile (rows 8..15 are not staged where MR = 8)
 template <int MT, int MR>
 __device__ __forceinline__ void row_masks(int m0, int g, int m, bool (&lo)[MT], bool (&hi)[MT]) {
@@ -415,33 +440,21 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   float acc[MT][8][4];
   zero_acc(acc);
 
-  // commit group i holds chunk i (empty past nchunks); chunk c is in slot c % WS
+  // this warp's own ring
   Slot* wr = reinterpret_cast<Slot*>(smem) + warp * WS;
   ChunkSource<MT, KIND> src = chunk_source<MT, KIND>(a, first, nt, m0, lane);
-#pragma unroll
-  for (int p = 0; p < WS - 1; ++p) {
-    if (p < nchunks) copy_chunk(wr[p], src, a, first + 4 * kChunk * p, end, lane, gsteps);
-    advance(src);
-    cp_async_commit();
-  }
   bool row_lo[MT], row_hi[MT];
   row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
-  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
-  for (int c = 0; c < nchunks; ++c) {
-    // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
-    cp_async_wait<WS - 2>();
-    __syncwarp();
-    // refill the slot computed at chunk c - 1 with chunk c + WS - 1 (the barrier above ordered its reads first)
-    const int kt = first + 4 * kChunk * c;
-    if (c + WS - 1 < nchunks) copy_chunk(wr[refill], src, a, kt + 4 * kChunk * (WS - 1), end, lane, gsteps);
-    advance(src);
-    cp_async_commit();
-    const Slot& cur = wr[slot];
-    compute_chunk<MT, MR, BF16, KIND, kWT>(cur.w, cur.s, cur.x, lane, row_lo, row_hi, acc);
-    refill = slot;
-    slot = slot + 1 == WS ? 0 : slot + 1;
-  }
-  cp_async_wait<0>();
+  stream_ring<WS>(
+      nchunks,
+      [&](int slot, int c) {
+        if (c < nchunks) copy_chunk(wr[slot], src, a, first + 4 * kChunk * c, end, lane, gsteps);
+        advance(src);
+      },
+      [] { __syncwarp(); },
+      [&](int slot) {
+        compute_chunk<MT, MR, BF16, KIND, kWT>(wr[slot].w, wr[slot].s, wr[slot].x, lane, row_lo, row_hi, acc);
+      });
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
 
   // Only the block's rows below M are reduced, stored and read back (M = 1 touches 64 of the BM x 64 values).
@@ -582,31 +595,21 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
     src.w += kChunk * 128;
     if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
   };
-#pragma unroll
-  for (int p = 0; p < WS - 1; ++p) {
-    if (p < nchunks) copy_wide_chunk(ring[p], src, a, kb + kChunk * p, end, m0, warp, lane, gsteps, has_tile);
-    next();
-    cp_async_commit();
-  }
   bool row_lo[MT], row_hi[MT];
   row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
-  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
-  for (int c = 0; c < nchunks; ++c) {
-    cp_async_wait<WS - 2>();
-    __syncthreads();  // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
-    const int kt = kb + kChunk * c;
-    if (c + WS - 1 < nchunks)
-      copy_wide_chunk(ring[refill], src, a, kt + kChunk * (WS - 1), end, m0, warp, lane, gsteps, has_tile);
-    next();
-    cp_async_commit();
-    const int now = slot;
-    refill = slot;
-    slot = slot + 1 == WS ? 0 : slot + 1;
-    if (!has_tile) continue;
-    const Slot& cur = ring[now];
-    compute_chunk<MT, MR, BF16, KIND, false>(cur.w[warp], cur.s[warp], cur.x, lane, row_lo, row_hi, acc);
-  }
-  cp_async_wait<0>();
+  stream_ring<WS>(
+      nchunks,
+      [&](int slot, int c) {
+        if (c < nchunks) copy_wide_chunk(ring[slot], src, a, kb + kChunk * c, end, m0, warp, lane, gsteps, has_tile);
+        next();
+      },
+      // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
+      [] { __syncthreads(); },
+      [&](int slot) {
+        if (has_tile)
+          compute_chunk<MT, MR, BF16, KIND, false>(ring[slot].w[warp], ring[slot].s[warp], ring[slot].x, lane, row_lo,
+                                                   row_hi, acc);
+      });
   if (!has_tile) return;
 
   // accumulator c0, c1: (row g, cols 2t, 2t+1), c2, c3: (row g+8, same cols); index in a [BM][64] tile
