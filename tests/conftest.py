@@ -180,6 +180,20 @@ def assert_same_checkpoint(a_dir, b_dir) -> None:
     assert not bad, f"written back differently: {bad[:5]}"
 
 
+def capture_cuda_graph(fn):
+    """(graph, output) of ``fn()`` captured in a CUDA graph, after the warm-up run on a side stream that
+    torch.cuda.graph asks for."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def edited_copy(base_dir, tmp_path, tensors=None, config=None) -> str:
     """A copy of checkpoint ``base_dir`` with ``tensors(state_dict)`` / ``config(quantization_config)`` applied."""
     d = tmp_path / "bad"

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 from qweight_cases import GROUPS, LAYOUTS, kernel_dtype_weight, make_qweight  # noqa: E402
 from qweight_cases import check_kernel_output  # noqa: E402
+from conftest import capture_cuda_graph  # noqa: E402
 from hf_w4.kernels import cuda_w4a16 as cw  # noqa: E402
 
 MS = (1, 3, 16, 64, 257, 2048)
@@ -116,14 +117,7 @@ def test_compile_and_cuda_graph_of_the_op():
     compiled = torch.compile(lambda t: kern.apply(layer, t, None))
     assert torch.equal(compiled(x), eager)
     static = x.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        kern.apply(layer, static, None)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kern.apply(layer, static, None)
+    graph, out = capture_cuda_graph(lambda: kern.apply(layer, static, None))
     static.copy_(x * 2)
     graph.replay()
     torch.cuda.synchronize()
@@ -149,18 +143,6 @@ def test_split_k_counters_are_reused_across_calls_and_streams():
     assert all(torch.equal(a, b) for a, b in zip(side, first))
 
 
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture, as torch.cuda.graph asks for
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def test_split_k_in_cuda_graphs_replayed_side_by_side():
     """Captured calls that split K take counters of their own (zeroed outside capture): two graphs of the same calls,
     replayed many times, alternately and concurrently on two streams, give the eager outputs every time."""
@@ -168,7 +150,7 @@ def test_split_k_in_cuda_graphs_replayed_side_by_side():
     kern, layer = _layer(spec, qw)
     xs = [torch.randn(m, 4096, device="cuda").to(torch.bfloat16) for m in (1, 2, 16, 1)]
     eager = [kern.apply(layer, x, None) for x in xs]
-    graphs = [_capture(lambda: [kern.apply(layer, x, None) for x in xs]) for _ in range(2)]
+    graphs = [capture_cuda_graph(lambda: [kern.apply(layer, x, None) for x in xs]) for _ in range(2)]
     streams = [torch.cuda.Stream() for _ in graphs]
     for _ in range(20):
         for (graph, _), s in zip(graphs, streams):
@@ -185,7 +167,7 @@ def test_captured_split_k_call_is_one_kernel():
     spec, qw = make_qweight("gptq", 4096, 4096, 128, device="cuda")
     kern, layer = _layer(spec, qw)
     x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-    graph, _ = _capture(lambda: [kern.apply(layer, x, None) for _ in range(3)])
+    graph, _ = capture_cuda_graph(lambda: [kern.apply(layer, x, None) for _ in range(3)])
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()

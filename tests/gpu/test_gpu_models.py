@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_w4  # noqa: E402
-from conftest import assert_same_checkpoint  # noqa: E402
+from conftest import assert_same_checkpoint, capture_cuda_graph  # noqa: E402
 from hf_w4.nn import QuantLinear  # noqa: E402
 
 FORMATS = [("gptq", dict(sym=True)), ("gptq", dict(sym=False, group_size=64, desc_act=True)),
@@ -71,14 +71,7 @@ def test_cuda_graph_of_the_model(gptq_cuda):
     with torch.no_grad():
         want = gptq_cuda(other, use_cache=False).logits
         static = ids.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            gptq_cuda(static, use_cache=False)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = gptq_cuda(static, use_cache=False).logits
+        graph, out = capture_cuda_graph(lambda: gptq_cuda(static, use_cache=False).logits)
         static.copy_(other)
         graph.replay()
         torch.cuda.synchronize()
