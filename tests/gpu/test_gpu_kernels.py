@@ -238,3 +238,7 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
     monkeypatch.setenv("HF_W4_CUDA_MT", "4")
     with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='4': expected 1 or 2"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+    monkeypatch.setenv("HF_W4_CUDA_MT", "1")
+    monkeypatch.setenv("HF_W4_CUDA_WIDE", "yes")
+    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WIDE='yes': expected 1 \(the wide kernel\) or 0 \(not\)"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
