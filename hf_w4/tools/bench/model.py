@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -66,11 +67,11 @@ def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log
         split = {k: tuple(statistics.median(part) for part in zip(*v)) for k, v in splits.items()}
     out = {k: statistics.median(v) for k, v in runs.items()}
     by_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    log(f"  dense bf16: {out['bf16']:.2f} tok/s (thread CPU time: {by_cpu['bf16']:.2f} tok/s; "
-        f"{_split_text(split['bf16'])})")
+    text = {k: _split_text(split[k], _linear_bytes(mdl)) for k, mdl in models.items()}
+    log(f"  dense bf16: {out['bf16']:.2f} tok/s (thread CPU time: {by_cpu['bf16']:.2f} tok/s; {text['bf16']})")
     for k in [k for k in out if k != "bf16"]:
         log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16; by thread CPU time "
-            f"{by_cpu[k]:.2f} tok/s, {by_cpu[k] / by_cpu['bf16']:.2f}x; {_split_text(split[k])})")
+            f"{by_cpu[k]:.2f} tok/s, {by_cpu[k] / by_cpu['bf16']:.2f}x; {text[k]})")
     return out
 
 
@@ -109,8 +110,27 @@ def _time_split(model, ids: torch.Tensor, tokens: int) -> tuple:
     return 1e3 * inside[0] / tokens, 1e3 * (total - inside[0]) / tokens
 
 
-def _split_text(split: tuple) -> str:
-    return f"linear layers {split[0]:.2f} ms/token, the rest {split[1]:.2f} ms/token"
+def _linear_bytes(model) -> Optional[int]:
+    """Bytes of weights the linear layers read per token (packed weights, scales, zero points and biases of every
+    ``QuantLinear``, weight and bias of every ``nn.Linear``), or None for a model with routed experts, whose
+    bytes per token depend on the routing."""
+    from ...loading.moe import UnfusedExperts, is_fused_experts
+    from ...nn import QuantLinear
+    total = 0
+    for m in model.modules():
+        if isinstance(m, UnfusedExperts) or is_fused_experts(m):
+            return None
+        if isinstance(m, QuantLinear):
+            total += m.packed_bytes()
+        elif isinstance(m, torch.nn.Linear):
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def _split_text(split: tuple, nbytes: Optional[int] = None) -> str:
+    # the weight-read rate shows when a run's ratios moved because the machine's memory rate did
+    rate = f" ({nbytes / split[0] / 1e6:.1f} GB/s of their weights)" if nbytes and split[0] > 0 else ""
+    return f"linear layers {split[0]:.2f} ms/token{rate}, the rest {split[1]:.2f} ms/token"
 
 
 MOE_SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, num_experts_per_tok=8, num_attention_heads=32,
