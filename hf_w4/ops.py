@@ -43,9 +43,10 @@ lib.define("cpu_w4a16_repack(Tensor codes, str pack_dim, int[] slots, Tensor sca
            "Tensor? perm, int n, int k, int group_size, str weight_type) -> (Tensor, Tensor, Tensor)")
 lib.define("cpu_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zs, Tensor? perm, Tensor? bias, "
            "int n, int group_size, str weight_type, float global_scale=1.0, str isa=\"\", int path=-1) -> Tensor")
-# cpu_w4a16_info: the ISA, whether AMX is used, and per weight type the large-M bf16 path by M (from M = 17;
-# int4_no_i16: int4 group sizes without an int16 block), e.g. "isa=avx2 amx=no large_m_bf16 int4=[int16 M<=80,
-# fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=32, fp32] (fixed rules for avx2 without AMX; cpu: avx2)".
+# cpu_w4a16_info: the ISA, whether AMX is used, whether at::linear's bf16 GEMM runs on bf16 instructions, and per
+# weight type the large-M bf16 path by M (from M = 17; int4_no_i16: int4 group sizes without an int16 block), e.g.
+# "isa=avx2 amx=no bf16_gemm=no large_m_bf16 int4=[int16 M<=80, fp32] int4_no_i16=[fp32] nvfp4=[int16 M<=32, fp32]
+# (fixed rules for avx2 without AMX; cpu: avx2)".
 lib.define("cpu_w4a16_info(str isa=\"\") -> str")
 # cpu_w4a16_path: the path the automatic choice of cpu_w4a16_gemm takes for a call with M rows of K columns, this
 # weight type / group size / asymmetry and activation dtype on this machine: "fused", "bf16", "amx", "int16", "fp32"

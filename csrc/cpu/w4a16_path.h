@@ -38,7 +38,8 @@ struct PathCaps {
   CpuIsa isa = CpuIsa::generic;
   bool amx = false;        // AMX-BF16 usable (CPU + OS) and not switched off (HF_W4_AMX=0)
   bool vbmi = false;       // AVX512-VBMI and not switched off (HF_W4_VBMI=0)
-  bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16), so at::linear's bf16 GEMM is fast
+  bool bf16_gemm = false;  // the CPU has bf16 arithmetic (AVX512-BF16 or AMX-BF16) and oneDNN may use it, so
+                          // at::linear's bf16 GEMM is fast
   bool avx512_bf16 = false;     // AVX512-BF16 (the blocked kernel can run)
   bool amd = false;             // AMD: AVX2's vpmaddwd runs at twice the fp32 FMA rate of multiply-adds
   int large = -1;          // HF_W4_LARGE_PATH as a W4Path number, -1 = the fixed rule
@@ -122,7 +123,8 @@ inline W4Path large_m_path(const PathCaps& c, const W4Call& q) {
     if (forced == W4Path::blocked && !blocked_ok(c, q)) return gemm;
     return forced;
   }
-  if (c.amx) return W4Path::dequant_bf16;  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX
+  // AMX CPU, shape AMX cannot take (K % 32): at::linear runs on AMX (unless oneDNN is capped)
+  if (c.amx) return gemm;
   // AVX512-BF16 at full rate: the blocked kernel (vdpbf16ps, 32 multiply-adds per instruction like vpdpwssd, the
   // weights decoded once per panel instead of once per 8 rows)
   if (blocked_ok(c, q) && c.bf16_full_rate() && (q.mode == W4_NVFP4 || !i16 || q.M >= kBlockedInt4MinM))

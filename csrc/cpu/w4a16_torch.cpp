@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -149,6 +150,25 @@ int large_path_setting(const CpuCaps& caps) {
   return v;
 }
 
+// Whether oneDNN, at::linear's bf16 GEMM, may use the CPU's bf16 instructions. ONEDNN_MAX_CPU_ISA (or the older
+// DNNL_MAX_CPU_ISA; case-insensitive, as oneDNN reads them) can cap it below them, and then its bf16 GEMM emulates
+// them: on Zen 5 capped to AVX2 a 256 x 4096 x 1024 GEMM takes 36 ms with the weight as F.linear holds it and 3 s
+// with the dequantize path's transposed chunks (2.6 ms uncapped), so the fp32 GEMM is the one to use then.
+bool onednn_bf16_allowed() {
+  static const bool v = [] {
+    const char* e = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (!e || !*e) e = std::getenv("DNNL_MAX_CPU_ISA");
+    if (!e || !*e) return true;
+    std::string s(e);
+    for (char& ch : s) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    if (s == "DEFAULT" || s == "ALL") return true;
+    for (const char* at_least : {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10"})
+      if (s.rfind(at_least, 0) == 0) return true;
+    return false;
+  }();
+  return v;
+}
+
 // The machine facts the path choice reads, for a call on `isa`.
 PathCaps path_caps(CpuIsa isa) {
   const CpuCaps& caps = cpu_caps();
@@ -156,7 +176,7 @@ PathCaps path_caps(CpuIsa isa) {
   c.isa = isa;
   c.amx = amx_allowed() && caps.amx_bf16;
   c.vbmi = w4a16_vbmi_enabled();
-  c.bf16_gemm = caps.avx512_bf16 || caps.amx_bf16;
+  c.bf16_gemm = (caps.avx512_bf16 || caps.amx_bf16) && onednn_bf16_allowed();
   c.avx512_bf16 = caps.avx512_bf16;
   c.amd = caps.amd;
   c.large = large_path_setting(caps);
@@ -501,7 +521,8 @@ std::string info(c10::string_view isa_req) {
     }
     return r + path_name(cur) + "]";
   };
-  std::string s = std::string("isa=") + isa_name(isa) + " amx=" + (caps.amx ? "yes" : "no") + " large_m_bf16" +
+  std::string s = std::string("isa=") + isa_name(isa) + " amx=" + (caps.amx ? "yes" : "no") +
+                  " bf16_gemm=" + (caps.bf16_gemm ? "yes" : "no") + " large_m_bf16" +
                   " int4=" + by_m(W4_SYM, 128) + " int4_no_i16=" + by_m(W4_SYM, 2) + " nvfp4=" + by_m(W4_NVFP4, 16);
   const std::string cpu = "; cpu: " + cpu_caps().describe();
   if (caps.large >= 0) return s + " (HF_W4_LARGE_PATH" + cpu + ")";

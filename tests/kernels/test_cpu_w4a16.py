@@ -573,8 +573,8 @@ def _large_choice(isa):
     import re
     info = ops.cpu_w4a16_info(isa)
     num = {"int16": 3, "bf16": 1, "fp32": 4, "blocked": 5}
-    m = re.search(r"isa=(\w+) amx=(yes|no) large_m_bf16 int4=\[(.*?)\] int4_no_i16=\[(.*?)\] nvfp4=\[(.*?)\] "
-                  r"\((.*)\)$", info)
+    m = re.search(r"isa=(\w+) amx=(yes|no) bf16_gemm=(?:yes|no) large_m_bf16 int4=\[(.*?)\] int4_no_i16=\[(.*?)\] "
+                  r"nvfp4=\[(.*?)\] \((.*)\)$", info)
     assert m, info
     assert m.group(1) == (isa or m.group(1)), info
     assert m.group(6).startswith(("fixed rules for " + m.group(1), "HF_W4_LARGE_PATH")), info
@@ -596,20 +596,28 @@ PATH_NUM = {"fused": 0, "bf16": 1, "amx": 2, "int16": 3, "fp32": 4, "blocked": 5
 BLOCKED_INT4_MIN_M = 128  # csrc/cpu/w4a16_path.h, kBlockedInt4MinM
 
 
+def _onednn_bf16_allowed(env=os.environ):
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").upper()
+    return cap in ("", "DEFAULT", "ALL") or cap.startswith(
+        ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10"))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_large_m_bf16_rule(isa):
     """bf16 x above the small-M kernels where AMX does not take them follows fixed rules (no timing): on AVX-512
     with AVX512-BF16 at full rate (AMD) the blocked kernel for NVFP4 and for int4 groups without an int16 block at
     every M, for other int4 from M = 256 (int16 x raw codes below); other AVX-512 CPUs int16 at every M; on AVX2 int16
     up to M = 80 (int4) / 32 (NVFP4), on AMD CPUs without bf16 arithmetic at every M; else dequantize + bf16 GEMM on
-    CPUs with bf16 arithmetic, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule as cpu_w4a16_path."""
+    CPUs with bf16 arithmetic that oneDNN may use, + fp32 GEMM otherwise. cpu_w4a16_info reports the same rule as
+    cpu_w4a16_path."""
     segs = _large_choice(isa)
     info = ops.cpu_w4a16_info(isa)
-    bf16 = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None
+    bf16 = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None and _onednn_bf16_allowed()
+    assert ("bf16_gemm=yes" in info) == bf16, info
     gemm = 1 if bf16 else 4
     amx = "amx=yes" in info
     if amx:
-        want = {"int4": [(1, None)], "int4_no_i16": [(1, None)], "nvfp4": [(1, None)]}
+        want = {"int4": [(gemm, None)], "int4_no_i16": [(gemm, None)], "nvfp4": [(gemm, None)]}
     elif isa == "avx512":
         full_rate = re.search(r"cpu: .*avx512_bf16.*\bamd\b", info) is not None
         if full_rate:
@@ -684,6 +692,35 @@ def test_same_outputs_in_every_process(tmp_path):
     assert outs[0][0] == outs[1][0], outs
     for a, b in zip(outs[0][1:], outs[1][1:]):
         assert torch.equal(a, b)
+
+
+def test_onednn_cap_below_bf16_takes_the_fp32_gemm():
+    """Where oneDNN is capped below bf16 instructions (ONEDNN_MAX_CPU_ISA, else DNNL_MAX_CPU_ISA, any case),
+    at::linear's bf16 GEMM emulates them (up to ~100x slower with the dequantize path's transposed weight chunks): the rule then
+    takes the fp32 GEMM, on every ISA, and the auto path is that path bit for bit. A cap at or above AVX512_CORE_BF16
+    leaves the rule as it is."""
+    import subprocess
+    import sys
+    code = (_SUBPROCESS_PRELUDE + "print(ops.cpu_w4a16_info())\n"
+            "spec, qw = make_qweight('gptq', 80, 336, 48)\nq, s, z, perm = prep(qw)\n"
+            "x = torch.randn(200, 336).to(torch.bfloat16)\n"
+            "r = lambda p: ops.cpu_w4a16_gemm(x, q, s, z, 80, 48, 'int4', perm=perm, path=p)\n"
+            "print(ops.cpu_w4a16_path(200, 336, 'int4', 48, torch.bfloat16), torch.equal(r(-1), r(4)))\n")
+    plain = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    for cap, allowed in ((dict(ONEDNN_MAX_CPU_ISA="avx2"), False), (dict(DNNL_MAX_CPU_ISA="AVX512_CORE_VNNI"), False),
+                         (dict(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16", DNNL_MAX_CPU_ISA="AVX2"), True),
+                         (dict(ONEDNN_MAX_CPU_ISA="default"), True)):
+        assert _onednn_bf16_allowed(cap) == allowed
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(plain, **cap))
+        assert out.returncode == 0, out.stderr
+        info, last = out.stdout.split("\n")[:2]
+        bf16_cpu = re.search(r"cpu: .*\b(avx512_bf16|amx_bf16)\b", info) is not None
+        assert ("bf16_gemm=yes" in info) == (bf16_cpu and allowed), (cap, info)
+        if not (bf16_cpu and allowed):
+            # group 48 has an int16 block; at M = 200 the rule takes int16 / blocked / AMX or the fp32 GEMM, never bf16
+            assert "bf16]" not in info and last.split()[0] != "bf16", (cap, info, last)
+            if last.split()[0] == "fp32":
+                assert last.split()[1] == "True", last
 
 
 def test_large_m_path_env_setting(tmp_path):
