@@ -111,8 +111,8 @@ def test_info_quantized(tiny_gptq, capsys, tmp_path):
     assert cli.main(["info", str(tiny_gptq), "--per-layer", "--kernel-timing"]) == 0
     text = capsys.readouterr().out
     if any(r["kernel"] == "cpu_w4a16" for r in rows):      # the ISA and the timed large-M choice
-        assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) large_m_bf16 int4=\[[^]]+\] int4_no_i16=\[[^]]+\] "
-                         r"nvfp4=\[[^]]+\] \(", text), text
+        assert re.search(r"cpu_w4a16 isa=\w+ amx=(yes|no) bf16_gemm=(yes|no) large_m_bf16 int4=\[[^]]+\] "
+                         r"int4_no_i16=\[[^]]+\] nvfp4=\[[^]]+\] \(", text), text
     for r in rows:
         assert f"{r['name']}: {r['format']} -> {r['kernel']}" in text
         for k, why in r["rejected"].items():
