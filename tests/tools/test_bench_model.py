@@ -18,7 +18,10 @@ def test_whole_model_benchmark_reports_rates_and_split():
                       r"ms/token", line)
         assert m, line
         assert float(m.group(1)) > 0 and float(m.group(2)) > 0
-    assert "x dense bf16" in lines[1] and "x dense bf16" in lines[2]
+    for line in lines[1:]:
+        m = re.search(r"([\d.]+)x dense bf16, rounds ([\d.]+)-([\d.]+)x;", line)
+        assert m, line
+        assert float(m.group(2)) <= float(m.group(3))
 
 
 def test_linear_bytes_counts_what_a_token_reads():

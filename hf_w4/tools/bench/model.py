@@ -70,8 +70,11 @@ def _decode_rates(models: dict, ids: torch.Tensor, tokens: int, rounds: int, log
     text = {k: _split_text(split[k], _linear_bytes(mdl)) for k, mdl in models.items()}
     log(f"  dense bf16: {out['bf16']:.2f} tok/s (thread CPU time: {by_cpu['bf16']:.2f} tok/s; {text['bf16']})")
     for k in [k for k in out if k != "bf16"]:
-        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16; by thread CPU time "
-            f"{by_cpu[k]:.2f} tok/s, {by_cpu[k] / by_cpu['bf16']:.2f}x; {text[k]})")
+        # each round's ratio to the dense round beside it: how far a single round strays from the median
+        per_round = [a / b for a, b in zip(runs[k], runs["bf16"])]
+        log(f"  {k}: {out[k]:.2f} tok/s ({out[k] / out['bf16']:.2f}x dense bf16, rounds {min(per_round):.2f}-"
+            f"{max(per_round):.2f}x; by thread CPU time {by_cpu[k]:.2f} tok/s, {by_cpu[k] / by_cpu['bf16']:.2f}x; "
+            f"{text[k]})")
     return out
 
 
