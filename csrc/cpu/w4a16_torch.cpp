@@ -153,7 +153,7 @@ int large_path_setting(const CpuCaps& caps) {
 // Whether oneDNN, at::linear's bf16 GEMM, may use the CPU's bf16 instructions. ONEDNN_MAX_CPU_ISA (or the older
 // DNNL_MAX_CPU_ISA; case-insensitive, as oneDNN reads them) can cap it below them, and then its bf16 GEMM emulates
 // them: on Zen 5 capped to AVX2 a 256 x 4096 x 1024 GEMM takes 36 ms with the weight as F.linear holds it and 3 s
-// with the dequantize path's transposed chunks (2.6 ms uncapped), so the fp32 GEMM is the one to use then.
+// with the dequantize path's transposed chunks (2.6 ms uncapped): the path rule then counts no bf16 arithmetic.
 bool onednn_bf16_allowed() {
   static const bool v = [] {
     const char* e = std::getenv("ONEDNN_MAX_CPU_ISA");
