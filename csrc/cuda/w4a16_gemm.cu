@@ -410,6 +410,15 @@ __device__ __forceinline__ int acc_pos(int mt, int sub, int r, int g, int t, int
   }
 }
 
+// y[row][col] = sum * the output scale (the global scale; for NVFP4 also undoing the operands' 2^-8) + bias,
+// rounded once into the activation type: the fused kernels' one output step
+template <class A, int KIND>
+__device__ __forceinline__ void store_y(const GemmArgs& a, int row, int col, float sum) {
+  float v = sum * (KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale);
+  if (a.bias) v += A::to_float(static_cast<const uint16_t*>(a.bias)[col]);
+  static_cast<uint16_t*>(a.y)[(size_t)row * a.n + col] = A::from_float(v);
+}
+
 // Block: 4 warps, BM = 16 * MT rows x 64 columns; warp w takes the chunks kb + kChunk w, kb + kChunk (w + 4), ... of
 // its split. Each warp streams its chunks through its own ring of shared-memory slots filled by cp.async (weights,
 // activations and scales alike, so nothing in the main loop waits on memory except the ring's head); a warp barrier
@@ -499,16 +508,9 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
     if (tid == 0) a.counters[mb * ntiles + nt] = 0;
   }
 
-  const uint16_t* bias = static_cast<const uint16_t*>(a.bias);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-  const float out_scale = KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale;
   for (int i = tid; i < nvals; i += 128) {
     const int row = m0 + i / 64, col = nt * 64 + (i & 63);
-    if (col < a.n) {
-      float v = red[i] * out_scale;
-      if (bias) v += A::to_float(bias[col]);
-      y[(size_t)row * a.n + col] = A::from_float(v);
-    }
+    if (col < a.n) store_y<A, KIND>(a, row, col, red[i]);
   }
 #endif
 }
@@ -652,9 +654,6 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
         }
     if (lane == 0) a.counters[mb * ntiles + nt] = 0;
   }
-  const uint16_t* bias = static_cast<const uint16_t*>(a.bias);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-  const float out_scale = KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -662,11 +661,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = m0 + mt * 16 + g + 8 * (r >> 1), col = nt * 64 + sub * 8 + 2 * t + (r & 1);
-        if (row < a.m && col < a.n) {
-          float v = acc[mt][sub][r] * out_scale;
-          if (bias) v += A::to_float(bias[col]);
-          y[(size_t)row * a.n + col] = A::from_float(v);
-        }
+        if (row < a.m && col < a.n) store_y<A, KIND>(a, row, col, acc[mt][sub][r]);
       }
 #endif
 }
