@@ -83,8 +83,6 @@ def _time_split(model, ids: torch.Tensor, tokens: int) -> tuple:
     hooks on every ``nn.Linear`` / ``QuantLinear`` and every MoE experts module taken as a whole (its projections
     are not hooked: a hooked projection would take the experts off their one-call path): the part a 4-bit kernel
     can shrink, and the part every model shares (attention, norms, routing, sampling, Python)."""
-    from ...loading.moe import UnfusedExperts, is_fused_experts
-    from ...nn import QuantLinear
     inside, start = [0.0], [0.0]
 
     def pre(mod, args):
@@ -93,15 +91,7 @@ def _time_split(model, ids: torch.Tensor, tokens: int) -> tuple:
     def post(mod, args, out):
         inside[0] += time.perf_counter() - start[0]
 
-    timed, experts = [], ()
-    for name, m in model.named_modules():
-        if experts and name.startswith(experts):
-            continue
-        if isinstance(m, UnfusedExperts) or is_fused_experts(m):
-            experts += (name + ".",)
-            timed.append(m)
-        elif isinstance(m, (torch.nn.Linear, QuantLinear)):
-            timed.append(m)
+    timed, _ = _timed_modules(model)
     hooks = [h for m in timed for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
         t0 = time.perf_counter()
@@ -113,21 +103,33 @@ def _time_split(model, ids: torch.Tensor, tokens: int) -> tuple:
     return 1e3 * inside[0] / tokens, 1e3 * (total - inside[0]) / tokens
 
 
-def _linear_bytes(model) -> Optional[int]:
-    """Bytes of weights the linear layers read per token (packed weights, scales, zero points and biases of every
-    ``QuantLinear``, weight and bias of every ``nn.Linear``), or None for a model with routed experts, whose
-    bytes per token depend on the routing."""
+def _timed_modules(model) -> tuple:
+    """(the modules _time_split hooks, the names of the MoE experts modules among them + "."): every ``nn.Linear`` /
+    ``QuantLinear``, and every MoE experts module as a whole instead of its projections."""
     from ...loading.moe import UnfusedExperts, is_fused_experts
     from ...nn import QuantLinear
-    total = 0
-    for m in model.modules():
+    timed, experts = [], ()
+    for name, m in model.named_modules():
+        if experts and name.startswith(experts):
+            continue
         if isinstance(m, UnfusedExperts) or is_fused_experts(m):
-            return None
-        if isinstance(m, QuantLinear):
-            total += m.packed_bytes()
-        elif isinstance(m, torch.nn.Linear):
-            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-    return total
+            experts += (name + ".",)
+            timed.append(m)
+        elif isinstance(m, (torch.nn.Linear, QuantLinear)):
+            timed.append(m)
+    return timed, experts
+
+
+def _linear_bytes(model) -> Optional[int]:
+    """Bytes of weights the timed linear layers read per token (packed weights, scales, zero points and biases of
+    every ``QuantLinear``, weight and bias of every ``nn.Linear``), or None for a model with routed experts, whose
+    bytes per token depend on the routing."""
+    from ...nn import QuantLinear
+    timed, experts = _timed_modules(model)
+    if experts:
+        return None
+    return sum(m.packed_bytes() if isinstance(m, QuantLinear) else
+               sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in timed)
 
 
 def _split_text(split: tuple, nbytes: Optional[int] = None) -> str:
