@@ -746,25 +746,35 @@ int blocks_per_sm() {
   return n > 0 ? n : 1;
 }
 
-// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), each plain (0-2) or wide (3-5)
-int tiling(int mt, int mr, bool wide) { return (mt == 2 ? 2 : (mr == 8 ? 0 : 1)) + (wide ? 3 : 0); }
+// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7)
+constexpr int kTilings = 4;
+int tiling(int mt, int mr, bool wide) {
+  return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
+}
 
 template <bool BF16, int KIND, bool WIDE>
 int blocks_per_sm_tiling(int t) {
-  return t == 0 ? blocks_per_sm<1, 8, BF16, KIND, WIDE>()
-                : (t == 1 ? blocks_per_sm<1, 16, BF16, KIND, WIDE>() : blocks_per_sm<2, 16, BF16, KIND, WIDE>());
+  switch (t) {
+    case 0: return blocks_per_sm<1, 8, BF16, KIND, WIDE>();
+    case 1: return blocks_per_sm<1, 16, BF16, KIND, WIDE>();
+    case 2: return blocks_per_sm<2, 16, BF16, KIND, WIDE>();
+    default: return blocks_per_sm<4, 16, BF16, KIND, WIDE>();
+  }
 }
 template <bool BF16, int KIND>
 int blocks_per_sm_any(int t) {
-  return t >= 3 ? blocks_per_sm_tiling<BF16, KIND, true>(t - 3) : blocks_per_sm_tiling<BF16, KIND, false>(t);
+  return t >= kTilings ? blocks_per_sm_tiling<BF16, KIND, true>(t - kTilings)
+                       : blocks_per_sm_tiling<BF16, KIND, false>(t);
 }
 
 template <bool BF16, int KIND, bool WIDE>
 void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  const int t = tiling(p.mt, p.mr, false);
-  if (t == 0) launch_gemm<1, 8, BF16, KIND, WIDE>(a, p, stream);
-  else if (t == 1) launch_gemm<1, 16, BF16, KIND, WIDE>(a, p, stream);
-  else launch_gemm<2, 16, BF16, KIND, WIDE>(a, p, stream);
+  switch (tiling(p.mt, p.mr, false)) {
+    case 0: launch_gemm<1, 8, BF16, KIND, WIDE>(a, p, stream); break;
+    case 1: launch_gemm<1, 16, BF16, KIND, WIDE>(a, p, stream); break;
+    case 2: launch_gemm<2, 16, BF16, KIND, WIDE>(a, p, stream); break;
+    default: launch_gemm<4, 16, BF16, KIND, WIDE>(a, p, stream); break;
+  }
 }
 template <bool BF16, int KIND>
 void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
@@ -792,7 +802,7 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
 // Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API, once;
 // also sets the kernel's shared memory limit).
 int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
-  static int cache[16][6][2][3] = {};  // device, tiling, bf16, kind
+  static int cache[16][2 * kTilings][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
   const int t = tiling(mt, mr, wide), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);

@@ -172,7 +172,7 @@ struct GemmPlan {
   int counters;
 };
 
-// mt: 0 = by M and K (plan_mt), else 1 or 2
+// mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT)
 inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false) {
   GemmPlan p;
   p.mt = mt ? mt : plan_mt(m, k);

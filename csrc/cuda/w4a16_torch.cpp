@@ -82,13 +82,13 @@ at::Tensor split_counters(int64_t n, const at::Tensor& like) {
   return t;
 }
 
-// HF_W4_CUDA_MT: the fused kernel's m16 tiles per block (1, 2) instead of the rule by M and K; 0 when unset. Read per
-// call (a getenv, next to a kernel launch), so that a benchmark can compare the tilings in one process.
+// HF_W4_CUDA_MT: the fused kernel's m16 tiles per block (1, 2, 4) instead of the rule by M and K; 0 when unset. Read
+// per call (a getenv, next to a kernel launch), so that a benchmark can compare the tilings in one process.
 int mt_override() {
   const char* e = std::getenv("HF_W4_CUDA_MT");
   if (!e || !*e) return 0;
   const std::string v(e);
-  TORCH_CHECK(v == "1" || v == "2", "HF_W4_CUDA_MT='", v, "': expected 1 or 2 (m16 tiles per block)");
+  TORCH_CHECK(v == "1" || v == "2" || v == "4", "HF_W4_CUDA_MT='", v, "': expected 1, 2 or 4 (m16 tiles per block)");
   return std::stoi(v);
 }
 

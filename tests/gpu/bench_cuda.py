@@ -114,20 +114,36 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
+def _forcible(mt: int) -> bool:
+    """Whether the library takes HF_W4_CUDA_MT=mt (a baseline tree may not have that tiling)."""
+    os.environ["HF_W4_CUDA_MT"] = str(mt)
+    try:
+        torch.ops.hf_w4.cuda_w4a16_plan(64, 64, 64, "int4", False, True)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        del os.environ["HF_W4_CUDA_MT"]
+
+
+# m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
+TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
+
+
 def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
-    """The fused kernel at M = 1, 16, 32, 64 with each tiling forced (MT 1 / 2, warp-interleaved / wide); the times
+    """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide); the times
     also go into ``record`` by cell name."""
     cells = []
-    for m in (1, 16, 32, 64):
+    for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
         rule = (plan[0], str(plan[6]))
-        for mt in (1, 2):
+        for mt in filter(_forcible, mts):
             for wide in ("0", "1"):
                 os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"] = str(mt), wide
                 try:
                     us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128,
-                                                                         "int4", 1.0), copies, 20)
+                                                                         "int4", 1.0), copies, 20 if m <= 64 else 5)
                 finally:
                     del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
                 cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if (mt, wide) == rule else ' '} {us:6.1f}")

@@ -59,7 +59,7 @@ stage gpu-models 150 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
 BENCH_DIR=${OUT:-/tmp}
-stage benchmark 90 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
+stage benchmark 120 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
 if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
   BASE=$(cd "$HF_W4_GPU_BASELINE" && pwd)
   stage baseline-benchmark 150 env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline \

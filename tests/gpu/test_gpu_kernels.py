@@ -228,15 +228,18 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
     kern, layer = _layer(spec, qw)
     b = layer._buffers
     w = kernel_dtype_weight(qw, dtype)
-    for m, mt in ((5, "2"), (40, "1"), (40, "2"), (127, "1")):
+    for m, mt, wide in ((5, "2", ""), (40, "1", ""), (40, "2", ""), (127, "1", ""), (40, "4", "0"), (127, "4", "0"),
+                        (64, "4", "1"), (127, "4", "1")):
         monkeypatch.setenv("HF_W4_CUDA_MT", mt)
-        assert torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)[0] == int(mt)
+        monkeypatch.setenv("HF_W4_CUDA_WIDE", wide)
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)
+        assert plan[0] == int(mt) and (not wide or plan[6] == int(wide)), plan
         x = torch.randn(m, 592, device="cuda").to(dtype)
         y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
                                             kern.group_size, "int4", 1.0)
-        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} M={m}")
-    monkeypatch.setenv("HF_W4_CUDA_MT", "4")
-    with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='4': expected 1 or 2"):
+        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} WIDE={wide} M={m}")
+    monkeypatch.setenv("HF_W4_CUDA_MT", "3")
+    with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='3': expected 1, 2 or 4"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
     monkeypatch.setenv("HF_W4_CUDA_MT", "1")
     monkeypatch.setenv("HF_W4_CUDA_WIDE", "yes")

@@ -104,16 +104,18 @@ def test_fused_kernel_emulated(emu, case, gs, dtype, wide):
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
-@pytest.mark.parametrize("mt", [1, 2])
+@pytest.mark.parametrize("mt", [1, 2, 4])
 def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
-    """Both m16 tilings forced at M = 1-40 over several m-blocks; with and without split-K (K = 2048 splits, the
-    wide N does not); the same inputs give the same bits twice."""
+    """Each m16 tiling forced at M = 1-40 (four tiles: up to 70) over several m-blocks; with and without split-K
+    (K = 2048 splits, the wide N does not); the same inputs give the same bits twice."""
     case = next(c for c in LAYOUTS if c[1] == "gptq")
     for n, k in ((128, 2048), (1024, 256)):
         layer = Layer(case, 128, n, k, seed=7)
         wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
-        x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        for m in (1, 17, 40):
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        for m in (1, 17, 40) + ((64, 70) if mt == 4 else ()):
+            plan = _plan(emu, m, n, k, SMS, mt=mt, wide=int(wide))
+            assert (plan["mt"], plan["wide"], plan["mblocks"]) == (mt, int(wide), -(-m // (16 * mt))), plan
             y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)
             check_kernel_output(y, x[:m], wk, 1.0, None, U[torch.bfloat16], False,
                                 f"mt={mt} wide={wide} N={n} K={k} M={m} splits={splits}")
