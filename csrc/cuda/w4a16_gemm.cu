@@ -213,11 +213,12 @@ struct ChunkSlot {
 // Chunk slots per ring: where at most 8 rows are staged (MR = 8), 3 (2 chunks in flight while one is computed):
 // shared memory limits the resident blocks, and 9 instead of 7 per SM measured faster at M = 1-8 on an H200; with 16
 // rows, 4 (3 in flight): there the smaller ring's extra blocks (7 instead of 5 per SM) measured slower, up to 20 %
-// at M = 16-64
-template <int MR>
-constexpr int ring_slots() { return MR == 8 ? 3 : 4; }
+// at M = 16-64. Four m16 tiles: 3 (a chunk computes four times as long; 77 KB of ring per block instead of 102 fits
+// the 99 KB a block may have on sm_86 / sm_89)
+template <int MT, int MR>
+constexpr int ring_slots() { return MR == 8 || MT == 4 ? 3 : 4; }
 template <int MT, int MR, int KIND>
-constexpr int ring_bytes() { return 4 * ring_slots<MR>() * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
+constexpr int ring_bytes() { return 4 * ring_slots<MT, MR>() * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
 
 // Per-lane sources of a chunk's copies, advanced by one chunk of the warp (4 kChunk k16 steps) per slot
 template <int MT, int KIND>
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   using A = DevAct<BF16>;
   using Slot = ChunkSlot<MT, MR, KIND>;
   constexpr int BM = 16 * MT;
-  constexpr int WS = ring_slots<MR>();
+  constexpr int WS = ring_slots<MT, MR>();
   constexpr bool kWT = MR == 8;  // at most 8 rows: the weights as mma's A operand (compute_chunk)
   static_assert(sizeof(Slot) * WS * 4 >= 4 * BM * 64 * sizeof(float), "the reduction reuses the ring");
   extern __shared__ uint4 smem[];
@@ -527,7 +528,7 @@ struct WideSlot {
   uint4 x[MT][MR][5];
 };
 template <int MT, int MR, int KIND>
-constexpr int wide_ring_bytes() { return ring_slots<MR>() * (int)sizeof(WideSlot<MT, MR, KIND>); }
+constexpr int wide_ring_bytes() { return ring_slots<MT, MR>() * (int)sizeof(WideSlot<MT, MR, KIND>); }
 
 // The chunk at k16 step kt (steps below ``end``): this warp's weights and scales from ``c`` (as copy_chunk), and the
 // block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows, k16 step (p / 2) & 1,
@@ -573,7 +574,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   using A = DevAct<BF16>;
   using Slot = WideSlot<MT, MR, KIND>;
   constexpr int BM = 16 * MT;
-  constexpr int WS = ring_slots<MR>();
+  constexpr int WS = ring_slots<MT, MR>();
   extern __shared__ uint4 smem[];
   const int mb = blockIdx.x, split = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
