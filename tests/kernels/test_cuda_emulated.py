@@ -122,6 +122,27 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
             assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["gptq_actorder_asym", "awq", "ct_nvfp4"])
+def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
+    """Four m16 tiles per block (forced) for the other weight kinds (zero points, act-order, NVFP4), both dtypes, a
+    bias, a full and a partial block of 64 rows, K split or not."""
+    case = next(c for c in LAYOUTS if c[0] == name)
+    gs = 16 if "nvfp4" in name else 64
+    n, k = 136, 512
+    layer = Layer(case, gs, n, k, seed=9)
+    wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
+    g = layer.kern.global_scale if layer.nv else 1.0
+    gen = torch.Generator().manual_seed(4)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    for m, sms in ((64, SMS), (50, 2)):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        y, splits = layer.gemm(emu, x, dtype, bias, mt=4, wide=wide, sms=sms)
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False,
+                            f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
+
+
 def _plan(lib, m, n, k, sms, mt=0, wide=-1):
     out = (ctypes.c_int * 6)()
     lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, out)
