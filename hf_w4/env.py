@@ -61,6 +61,8 @@ VARIABLES = (
     Variable("HF_W4_CUDA_MT", "C++", "1 / 2 / 4", "cuda_w4a16's fused kernel: m16 row tiles per block instead of the "
              "rule (1 up to 32 rows or below K = 8192, else 2; 2 at 9-16 rows where one wave of such blocks holds the "
              "layer; 4 only when forced); read on every call"),
+    Variable("HF_W4_CUDA_SPLITS", "C++", "a number", "cuda_w4a16's fused kernel: split K this many ways (within 1 .. "
+             "K / 128) instead of filling one wave of resident blocks; read on every call"),
     Variable("HF_W4_CUDA_WIDE", "C++", "1 / 0", "cuda_w4a16: the wide fused kernel (4 column tiles per block sharing "
              "the activations) forced on or off, instead of the rule (on at 9-64 rows of layers of at least three "
              "64-column tiles per SM); read on every call"),

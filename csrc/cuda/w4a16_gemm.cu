@@ -821,7 +821,8 @@ int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
 
 }  // namespace
 
-GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm) {
+GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
+                         int splits) {
   int t = mt ? mt : plan_mt(m, k);
   bool w = wide > 0;
   if (!mt && wide < 0 && m > 8 && m <= 64 && npad / 64 >= 3 * sms) {
@@ -838,7 +839,7 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
   }
   const int bps = w4a16_gemm_blocks_per_sm(t, plan_rows(m, t), bf16, kind, w);
   if (blocks_per_sm) *blocks_per_sm = bps;
-  return plan_gemm(m, npad, k, sms * bps, t, w);
+  return plan_gemm(m, npad, k, sms * bps, t, w, splits);
 }
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {

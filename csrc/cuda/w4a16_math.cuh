@@ -172,8 +172,9 @@ struct GemmPlan {
   int counters;
 };
 
-// mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT)
-inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false) {
+// mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT); splits: 0 = one wave of
+// ``slots`` blocks at most, else that many (HF_W4_CUDA_SPLITS), within the same bounds of 1 .. K / 128
+inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false, int splits = 0) {
   GemmPlan p;
   p.mt = mt ? mt : plan_mt(m, k);
   p.mr = plan_rows(m, p.mt);
@@ -183,7 +184,7 @@ inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wi
   p.ntiles = npad / 64;
   const int ksteps = k / 16;
   const int blocks = (wide ? (p.ntiles + 3) / 4 : p.ntiles) * p.mblocks;
-  int s = slots / blocks;
+  int s = splits > 0 ? splits : slots / blocks;
   const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (one chunk per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);
   p.steps_per_split = ((ksteps + s - 1) / s + kChunk - 1) / kChunk * kChunk;

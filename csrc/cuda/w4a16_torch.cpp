@@ -102,10 +102,21 @@ int wide_kernel() {
   return v == "1";
 }
 
+// HF_W4_CUDA_SPLITS=n: the fused kernel splits K n ways (within 1 .. K / 128) instead of filling one wave of
+// resident blocks; 0 when unset; read per call (the benchmark's split-K table)
+int splits_override() {
+  const char* e = std::getenv("HF_W4_CUDA_SPLITS");
+  if (!e || !*e) return 0;
+  const std::string v(e);
+  const bool digits = v.size() <= 4 && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  TORCH_CHECK(digits && std::stoi(v) > 0, "HF_W4_CUDA_SPLITS='", v, "': expected a positive number of K splits");
+  return std::stoi(v);
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
   return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt_override(), wide_kernel(),
-                         blocks_per_sm);
+                         blocks_per_sm, splits_override());
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

@@ -126,14 +126,24 @@ def _forcible(mt: int) -> bool:
         del os.environ["HF_W4_CUDA_MT"]
 
 
+def _splits_forcible() -> bool:
+    """Whether the library takes HF_W4_CUDA_SPLITS (a baseline tree may ignore it)."""
+    os.environ["HF_W4_CUDA_SPLITS"] = "1"
+    try:
+        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[3] == 1
+    finally:
+        del os.environ["HF_W4_CUDA_SPLITS"]
+
+
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
 
 
 def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
-    """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide); the times
-    also go into ``record`` by cell name."""
+    """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide), and at M = 1
+    and 16 with a half and a quarter of the plan's K splits; the times also go into ``record`` by cell name."""
     cells = []
+    split_k = _splits_forcible()
     for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
@@ -148,6 +158,16 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
                     del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
                 cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if (mt, wide) == rule else ' '} {us:6.1f}")
                 record[f"{n}x{k} M={m} mt{mt}{'w' if wide == '1' else ''}"] = us
+        # fewer K splits than the plan's one wave of blocks (longer runs per warp, fewer fix-ups), the rule's tiling
+        for s in sorted({max(1, plan[3] // 4), max(1, plan[3] // 2)} - {plan[3]}) if m <= 16 and split_k else ():
+            os.environ["HF_W4_CUDA_SPLITS"] = str(s)
+            try:
+                us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128,
+                                                                     "int4", 1.0), copies, 20)
+            finally:
+                del os.environ["HF_W4_CUDA_SPLITS"]
+            cells.append(f"M={m} splits {s}/{plan[3]} {us:6.1f}")
+            record[f"{n}x{k} M={m} splits{s}"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 
 

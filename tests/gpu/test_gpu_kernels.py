@@ -223,7 +223,8 @@ def test_plan_reports_a_split_covering_k():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
-    """HF_W4_CUDA_MT (the benchmark's tiling comparison) runs the other tiling correctly; a bad value is an error."""
+    """HF_W4_CUDA_MT / HF_W4_CUDA_SPLITS (the benchmark's tiling and split-K comparisons) run the other tiling or
+    split correctly; a bad value is an error."""
     spec, qw = make_qweight("gptq", 200, 592, -1, True, False, False, seed=11, device="cuda")
     kern, layer = _layer(spec, qw)
     b = layer._buffers
@@ -238,6 +239,20 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
         y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
                                             kern.group_size, "int4", 1.0)
         check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} WIDE={wide} M={m}")
+    monkeypatch.setenv("HF_W4_CUDA_WIDE", "")
+    for m, mt, splits in ((1, "1", "1"), (5, "1", "3"), (40, "2", "2")):
+        monkeypatch.setenv("HF_W4_CUDA_MT", mt)
+        monkeypatch.setenv("HF_W4_CUDA_SPLITS", splits)
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)
+        assert plan[3] == int(splits), plan  # 37 k16 steps: 3 splits of 14, 2 of 20
+        x = torch.randn(m, 592, device="cuda").to(dtype)
+        y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
+                                            kern.group_size, "int4", 1.0)
+        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_SPLITS={splits} M={m}")
+    monkeypatch.setenv("HF_W4_CUDA_SPLITS", "0")
+    with pytest.raises(RuntimeError, match="HF_W4_CUDA_SPLITS='0': expected a positive number of K splits"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+    monkeypatch.setenv("HF_W4_CUDA_SPLITS", "")
     monkeypatch.setenv("HF_W4_CUDA_MT", "3")
     with pytest.raises(RuntimeError, match="HF_W4_CUDA_MT='3': expected 1, 2 or 4"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)

@@ -36,9 +36,9 @@ def emu(cxx_library):
              os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu")]
     lib = cxx_library(os.path.join(EMU, "w4a16_emu.cpp"), flags,
                       "g++ not found: the emulated CUDA kernels cannot be built")
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3 + \
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + \
         [ctypes.POINTER(ctypes.c_int)]
-    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -66,18 +66,19 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None):
-        """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule."""
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0):
+        """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
+        splits forced (0: the plan's)."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
-        splits = ctypes.c_int(0)
+        nsplits = ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
                                 int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
-                                -1 if wide is None else int(wide),
-                                ctypes.byref(splits))
+                                -1 if wide is None else int(wide), splits,
+                                ctypes.byref(nsplits))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
-        return y, splits.value
+        return y, nsplits.value
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
@@ -143,9 +144,25 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
                             f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
 
 
-def _plan(lib, m, n, k, sms, mt=0, wide=-1):
+@pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
+def test_forced_splits_emulated(emu, wide):
+    """A forced number of K splits (HF_W4_CUDA_SPLITS on a GPU) is the plan's within 1 .. K / 128 (K = 1024: up to 8;
+    3 -> steps of 22, still 3 splits); the result keeps the budget and the split-K counters end at zero."""
+    case = next(c for c in LAYOUTS if c[1] == "gptq")
+    n, k = 192, 1024
+    layer = Layer(case, 128, n, k, seed=5)
+    wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    for forced, planned in ((1, 1), (3, 3), (7, 7), (8, 8), (50, 8)):
+        assert _plan(emu, 5, n, k, SMS, wide=int(wide), splits=forced)["splits"] == planned, forced
+        y, splits = layer.gemm(emu, x, torch.bfloat16, wide=wide, splits=forced)
+        assert splits == planned
+        check_kernel_output(y, x, wk, 1.0, None, U[torch.bfloat16], False, f"wide={wide} splits={forced}")
+
+
+def _plan(lib, m, n, k, sms, mt=0, wide=-1, splits=0):
     out = (ctypes.c_int * 6)()
-    lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, out)
+    lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, splits, out)
     return dict(zip(("mt", "mr", "mblocks", "ntiles", "splits", "wide"), out))
 
 

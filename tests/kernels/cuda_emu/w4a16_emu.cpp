@@ -49,13 +49,13 @@ size_t zero_bytes(int npad, int k, int gs, int kind) {
 extern "C" {
 
 // y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `sms` SMs x the kernel's resident blocks
-// per SM (132: an H100) with mt (1, 2; 0: the rule) and wide (1: the wide kernel, 0: not, -1: the rule) as
-// w4a16_gemm_plan takes them; the plan's splits in *splits
+// per SM (132: an H100) with mt (1, 2, 4; 0: the rule), wide (1: the wide kernel, 0: not, -1: the rule) and
+// force_splits (0: the rule) as w4a16_gemm_plan takes them; the plan's splits in *splits
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
-                   int mt, int wide, int* splits) {
+                   int mt, int wide, int force_splits, int* splits) {
   const int npad = (n + 63) / 64 * 64;
-  const GemmPlan plan = w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr);
+  const GemmPlan plan = w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits);
   *splits = plan.splits;
   const int gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
@@ -87,8 +87,8 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
 }
 
 // The plan itself (for the tests of its rules, with this stand-in's occupancy): mt, mr, m-blocks, tiles, splits, wide
-void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, int wide, int* out) {
-  const GemmPlan p = w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr);
+void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, int wide, int force_splits, int* out) {
+  const GemmPlan p = w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits);
   const int v[6] = {p.mt, p.mr, p.mblocks, p.ntiles, p.splits, p.wide ? 1 : 0};
   std::memcpy(out, v, sizeof(v));
 }
