@@ -28,7 +28,7 @@ struct GemmArgs {
 };
 
 // The fused kernel's work split for (M, Npad, K) on the current device with `sms` SMs: m16 tiles per block forced
-// (mt = 1, 2) or by the rule (mt = 0: plan_mt, two tiles at 9-16 rows where one wave of them holds every column
+// (mt = 1, 2, 4) or by the rule (mt = 0: plan_mt, two tiles at 9-16 rows where one wave of them holds every column
 // tile), the wide kernel forced on or off (wide = 1, 0) or by the rule (-1: at 9-64 rows of layers of at least three
 // waves of column tiles, where it then takes the tiling), split-K for the resident blocks per SM the occupancy API
 // gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive.
