@@ -82,35 +82,37 @@ at::Tensor split_counters(int64_t n, const at::Tensor& like) {
   return t;
 }
 
-// HF_W4_CUDA_MT: the fused kernel's m16 tiles per block (1, 2, 4) instead of the rule by M and K; 0 when unset. Read
-// per call (a getenv, next to a kernel launch), so that a benchmark can compare the tilings in one process.
-int mt_override() {
-  const char* e = std::getenv("HF_W4_CUDA_MT");
-  if (!e || !*e) return 0;
+// A small integer setting of the fused kernel's plan, read per call (a getenv, next to a kernel launch) so that a
+// benchmark can compare the choices in one process: `unset` when the variable is unset or empty, else its value
+// (plain decimal digits, no leading zero), which `ok` must accept.
+template <class Ok>
+int plan_setting(const char* name, int unset, Ok ok, const char* expected) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return unset;
   const std::string v(e);
-  TORCH_CHECK(v == "1" || v == "2" || v == "4", "HF_W4_CUDA_MT='", v, "': expected 1, 2 or 4 (m16 tiles per block)");
+  const bool decimal = v.size() <= 4 && (v == "0" || v[0] != '0') &&
+                       std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  TORCH_CHECK(decimal && ok(std::stoi(v)), name, "='", v, "': expected ", expected);
   return std::stoi(v);
+}
+
+// HF_W4_CUDA_MT: the fused kernel's m16 tiles per block (1, 2, 4) instead of the rule by M and K; 0 when unset
+int mt_override() {
+  return plan_setting("HF_W4_CUDA_MT", 0, [](int v) { return v == 1 || v == 2 || v == 4; },
+                      "1, 2 or 4 (m16 tiles per block)");
 }
 
 // HF_W4_CUDA_WIDE=1 / 0: the wide kernel (blocks of 4 column tiles sharing the activations) or not, instead of the
-// rule (-1 when unset); read per call
+// rule (-1 when unset)
 int wide_kernel() {
-  const char* e = std::getenv("HF_W4_CUDA_WIDE");
-  if (!e || !*e) return -1;
-  const std::string v(e);
-  TORCH_CHECK(v == "0" || v == "1", "HF_W4_CUDA_WIDE='", v, "': expected 1 (the wide kernel) or 0 (not)");
-  return v == "1";
+  return plan_setting("HF_W4_CUDA_WIDE", -1, [](int v) { return v == 0 || v == 1; },
+                      "1 (the wide kernel) or 0 (not)");
 }
 
 // HF_W4_CUDA_SPLITS=n: the fused kernel splits K n ways (within 1 .. K / 128) instead of filling one wave of
-// resident blocks; 0 when unset; read per call (the benchmark's split-K table)
+// resident blocks; 0 when unset (the benchmark's split-K table)
 int splits_override() {
-  const char* e = std::getenv("HF_W4_CUDA_SPLITS");
-  if (!e || !*e) return 0;
-  const std::string v(e);
-  const bool digits = v.size() <= 4 && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
-  TORCH_CHECK(digits && std::stoi(v) > 0, "HF_W4_CUDA_SPLITS='", v, "': expected a positive number of K splits");
-  return std::stoi(v);
+  return plan_setting("HF_W4_CUDA_SPLITS", 0, [](int v) { return v > 0; }, "a positive number of K splits");
 }
 
 // the fused kernel's work split for this call on ``device``
