@@ -114,25 +114,27 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
-def _forcible(mt: int) -> bool:
-    """Whether the library takes HF_W4_CUDA_MT=mt (a baseline tree may not have that tiling)."""
-    os.environ["HF_W4_CUDA_MT"] = str(mt)
+def _honoured(var: str, value: int, field: int) -> bool:
+    """Whether the library's plan takes var=value (field ``field`` of cuda_w4a16_plan at M = 1 on 4096 x 4096 then
+    equals it): a baseline tree may refuse the value or ignore the variable."""
+    os.environ[var] = str(value)
     try:
-        torch.ops.hf_w4.cuda_w4a16_plan(64, 64, 64, "int4", False, True)
-        return True
+        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == value
     except RuntimeError:
         return False
     finally:
-        del os.environ["HF_W4_CUDA_MT"]
+        del os.environ[var]
 
 
-def _splits_forcible() -> bool:
-    """Whether the library takes HF_W4_CUDA_SPLITS (a baseline tree may ignore it)."""
-    os.environ["HF_W4_CUDA_SPLITS"] = "1"
+def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
+    """Microseconds per call of the fused kernel (int4, bf16) with the variables of ``env`` set around it."""
+    os.environ.update(env)
     try:
-        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[3] == 1
+        return timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128, "int4", 1.0),
+                     copies, calls)
     finally:
-        del os.environ["HF_W4_CUDA_SPLITS"]
+        for var in env:
+            del os.environ[var]
 
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
@@ -143,29 +145,20 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
     """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide), and at M = 1
     and 16 with a half and a quarter of the plan's K splits; the times also go into ``record`` by cell name."""
     cells = []
-    split_k = _splits_forcible()
+    split_k = _honoured("HF_W4_CUDA_SPLITS", 1, 3)
     for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
         rule = (plan[0], str(plan[6]))
-        for mt in filter(_forcible, mts):
+        for mt in (mt for mt in mts if _honoured("HF_W4_CUDA_MT", mt, 0)):
             for wide in ("0", "1"):
-                os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"] = str(mt), wide
-                try:
-                    us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128,
-                                                                         "int4", 1.0), copies, 20 if m <= 64 else 5)
-                finally:
-                    del os.environ["HF_W4_CUDA_MT"], os.environ["HF_W4_CUDA_WIDE"]
+                us = _fused_us({"HF_W4_CUDA_MT": str(mt), "HF_W4_CUDA_WIDE": wide}, x, i4, n, copies,
+                               20 if m <= 64 else 5)
                 cells.append(f"M={m} mt{mt}{'w' if wide == '1' else ' '}{'*' if (mt, wide) == rule else ' '} {us:6.1f}")
                 record[f"{n}x{k} M={m} mt{mt}{'w' if wide == '1' else ''}"] = us
         # fewer K splits than the plan's one wave of blocks (longer runs per warp, fewer fix-ups), the rule's tiling
         for s in sorted({max(1, plan[3] // 4), max(1, plan[3] // 2)} - {plan[3]}) if m <= 16 and split_k else ():
-            os.environ["HF_W4_CUDA_SPLITS"] = str(s)
-            try:
-                us = timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128,
-                                                                     "int4", 1.0), copies, 20)
-            finally:
-                del os.environ["HF_W4_CUDA_SPLITS"]
+            us = _fused_us({"HF_W4_CUDA_SPLITS": str(s)}, x, i4, n, copies, 20)
             cells.append(f"M={m} splits {s}/{plan[3]} {us:6.1f}")
             record[f"{n}x{k} M={m} splits{s}"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
