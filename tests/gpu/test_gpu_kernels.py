@@ -229,26 +229,22 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
     kern, layer = _layer(spec, qw)
     b = layer._buffers
     w = kernel_dtype_weight(qw, dtype)
-    for m, mt, wide in ((5, "2", ""), (40, "1", ""), (40, "2", ""), (127, "1", ""), (40, "4", "0"), (127, "4", "0"),
-                        (64, "4", "1"), (127, "4", "1")):
-        monkeypatch.setenv("HF_W4_CUDA_MT", mt)
-        monkeypatch.setenv("HF_W4_CUDA_WIDE", wide)
+    # (M, forced settings, the plan fields they fix: 0 = m16 tiles, 3 = K splits, 6 = wide); 592 = 37 k16 steps:
+    # 3 splits of 14, 2 of 20
+    cases = [(5, dict(MT="2"), {0: 2}), (40, dict(MT="1"), {0: 1}), (40, dict(MT="2"), {0: 2}),
+             (127, dict(MT="1"), {0: 1}), (40, dict(MT="4", WIDE="0"), {0: 4, 6: 0}),
+             (127, dict(MT="4", WIDE="0"), {0: 4, 6: 0}), (64, dict(MT="4", WIDE="1"), {0: 4, 6: 1}),
+             (127, dict(MT="4", WIDE="1"), {0: 4, 6: 1}), (1, dict(MT="1", SPLITS="1"), {3: 1}),
+             (5, dict(MT="1", SPLITS="3"), {3: 3}), (40, dict(MT="2", SPLITS="2"), {3: 2})]
+    for m, forced, fields in cases:
+        for var in ("MT", "WIDE", "SPLITS"):
+            monkeypatch.setenv(f"HF_W4_CUDA_{var}", forced.get(var, ""))
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)
-        assert plan[0] == int(mt) and (not wide or plan[6] == int(wide)), plan
+        assert all(plan[i] == v for i, v in fields.items()), (forced, plan)
         x = torch.randn(m, 592, device="cuda").to(dtype)
         y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
                                             kern.group_size, "int4", 1.0)
-        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_MT={mt} WIDE={wide} M={m}")
-    monkeypatch.setenv("HF_W4_CUDA_WIDE", "")
-    for m, mt, splits in ((1, "1", "1"), (5, "1", "3"), (40, "2", "2")):
-        monkeypatch.setenv("HF_W4_CUDA_MT", mt)
-        monkeypatch.setenv("HF_W4_CUDA_SPLITS", splits)
-        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)
-        assert plan[3] == int(splits), plan  # 37 k16 steps: 3 splits of 14, 2 of 20
-        x = torch.randn(m, 592, device="cuda").to(dtype)
-        y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, dtype), None, None, 200,
-                                            kern.group_size, "int4", 1.0)
-        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"HF_W4_CUDA_SPLITS={splits} M={m}")
+        check_kernel_output(y, x, w, 1.0, None, U[dtype], False, f"{forced} M={m}")
     monkeypatch.setenv("HF_W4_CUDA_SPLITS", "0")
     with pytest.raises(RuntimeError, match="HF_W4_CUDA_SPLITS='0': expected a positive number of K splits"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
