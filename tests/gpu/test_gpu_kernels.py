@@ -237,8 +237,8 @@ def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
              (127, dict(MT="4", WIDE="1"), {0: 4, 6: 1}), (1, dict(MT="1", SPLITS="1"), {3: 1}),
              (5, dict(MT="1", SPLITS="3"), {3: 3}), (40, dict(MT="2", SPLITS="2"), {3: 2})]
     for m, forced, fields in cases:
-        for var in ("MT", "WIDE", "SPLITS"):
-            monkeypatch.setenv(f"HF_W4_CUDA_{var}", forced.get(var, ""))
+        for var in ("HF_W4_CUDA_MT", "HF_W4_CUDA_WIDE", "HF_W4_CUDA_SPLITS"):
+            monkeypatch.setenv(var, forced.get(var.rsplit("_", 1)[1], ""))
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, "int4", False, dtype == torch.bfloat16)
         assert all(plan[i] == v for i, v in fields.items()), (forced, plan)
         x = torch.randn(m, 592, device="cuda").to(dtype)
