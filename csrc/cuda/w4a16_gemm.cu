@@ -257,9 +257,9 @@ __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a,
   return c;
 }
 
-// Issue the copies of the chunk at k16 step kt. Rows past M are not copied (their fragments read as zero). Where
-// the chunk's second step lies past ``end`` (only at the end of an odd K) its pieces are zero-filled instead: it then
-// adds 0 x (finite weights), so the main loop needs no branch.
+// Issue the copies of the chunk at k16 step kt. Staged rows past M are zero-filled (nothing is read), and so are the
+// pieces of the chunk's second step where it lies past ``end`` (only at the end of an odd K): they add 0 x (finite
+// weights), so the main loop needs neither a branch nor a row mask.
 template <int MT, int MR, int KIND>
 __device__ __forceinline__ void copy_chunk(ChunkSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
                                            const GemmArgs& a, int kt, int end, int lane, int gsteps) {
@@ -267,10 +267,10 @@ __device__ __forceinline__ void copy_chunk(ChunkSlot<MT, MR, KIND>& slot, const 
   const bool two = kt + 1 < end;
   cp_async16(&slot.w[0][lane], c.w);
   cp_async16_or_zero(&slot.w[1][lane], two ? c.w + 128 : c.w, two);
-  const bool full = (lane & 1) == 0 || two;  // odd lanes copy step 1's activations
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    if (mt < c.xrows && (lane >> 1) < MR) {
+    if ((lane >> 1) < MR) {
+      const bool full = mt < c.xrows && ((lane & 1) == 0 || two);  // odd lanes copy step 1's activations
       const uint16_t* src = full ? c.x + (size_t)mt * 16 * a.k : static_cast<const uint16_t*>(a.x);
       cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1)], src, full);
       cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1) + 1], full ? src + 8 : src, full);
@@ -320,15 +320,6 @@ __device__ __forceinline__ void stream_ring(int nchunks, Fill&& fill, Sync&& syn
   cp_async_wait<0>();
 }
 
-// Which of a lane's A fragment rows exist: g and g + 8 of each m16 tile (rows 8..15 are not staged where MR = 8)
-template <int MT, int MR>
-__device__ __forceinline__ void row_masks(int m0, int g, int m, bool (&lo)[MT], bool (&hi)[MT]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    lo[mt] = m0 + mt * 16 + g < m;
-    hi[mt] = MR == 16 && m0 + mt * 16 + g + 8 < m;
-  }
-}
 template <int MT>
 __device__ __forceinline__ void zero_acc(float (&acc)[MT][8][4]) {
 #pragma unroll
@@ -340,7 +331,8 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT][8][4]) {
 }
 
 // One warp's work on a chunk in shared memory: per k16 step its weights (w[step][lane]), scale / zero-point pieces
-// (s, laid out as ChunkSlot::s) and the staged rows x (rows past M read as zero), dequantized and multiplied into acc.
+// (s, laid out as ChunkSlot::s) and the staged rows x (zero past M; rows 8..15 of the tile read as zero where only 8
+// are staged), dequantized and multiplied into acc.
 // WT (one m16 tile of at most 8 rows): the weights are mma's A operand and the activations its B (y^T = W x^T), so
 // an mma covers 16 columns and the rows it would pad with zeros are the 8 columns of B: 4 mma per k16 step instead of
 // 8, and acc[0][j] holds columns 16 j + g (+ 8) of rows 2t, 2t + 1 (acc_pos). The packed B fragments of sub-tiles 2j
@@ -348,8 +340,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT][8][4]) {
 // its B fragment.
 template <int MT, int MR, bool BF16, int KIND, bool WT>
 __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], const uint4* s, const uint4 (&x)[MT][MR][5],
-                                              int lane, const bool (&row_lo)[MT], const bool (&row_hi)[MT],
-                                              float (&acc)[MT][8][4]) {
+                                              int lane, float (&acc)[MT][8][4]) {
   static_assert(!WT || (MT == 1 && MR == 8), "weights as A: one tile of 8 staged rows");
   using A = DevAct<BF16>;
   const int g = lane >> 2, t = lane & 3;
@@ -366,7 +357,7 @@ __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], cons
     }
     if constexpr (WT) {
       const uint32_t* xr = reinterpret_cast<const uint32_t*>(x[0][g]) + 8 * i + t;  // row g: B fragment column g
-      const uint32_t x0 = row_lo[0] ? xr[0] : 0u, x1 = row_lo[0] ? xr[4] : 0u;
+      const uint32_t x0 = xr[0], x1 = xr[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t wa[4];  // a0 (column 16 j + g, k 2t..), a1 (16 j + 8 + g), a2 / a3 the same at k 2t + 8..
@@ -381,10 +372,10 @@ __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], cons
       for (int mt = 0; mt < MT; ++mt) {
         const uint32_t* lo = reinterpret_cast<const uint32_t*>(x[mt][g]) + 8 * i + t;
         const uint32_t* hi = reinterpret_cast<const uint32_t*>(x[mt][MR == 16 ? g + 8 : g]) + 8 * i + t;
-        af[mt][0] = row_lo[mt] ? lo[0] : 0u;
-        af[mt][1] = row_hi[mt] ? hi[0] : 0u;
-        af[mt][2] = row_lo[mt] ? lo[4] : 0u;
-        af[mt][3] = row_hi[mt] ? hi[4] : 0u;
+        af[mt][0] = lo[0];
+        af[mt][1] = MR == 16 ? hi[0] : 0u;
+        af[mt][2] = lo[4];
+        af[mt][3] = MR == 16 ? hi[4] : 0u;
       }
 #pragma unroll
       for (int sub = 0; sub < 8; ++sub) {
@@ -453,8 +444,6 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   // this warp's own ring
   Slot* wr = reinterpret_cast<Slot*>(smem) + warp * WS;
   ChunkSource<MT, KIND> src = chunk_source<MT, KIND>(a, first, nt, m0, lane);
-  bool row_lo[MT], row_hi[MT];
-  row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
   stream_ring<WS>(
       nchunks,
       [&](int slot, int c) {
@@ -463,7 +452,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
       },
       [] { __syncwarp(); },
       [&](int slot) {
-        compute_chunk<MT, MR, BF16, KIND, kWT>(wr[slot].w, wr[slot].s, wr[slot].x, lane, row_lo, row_hi, acc);
+        compute_chunk<MT, MR, BF16, KIND, kWT>(wr[slot].w, wr[slot].s, wr[slot].x, lane, acc);
       });
   __syncthreads();  // every warp is done with the ring: it becomes the reduction buffer
 
@@ -559,8 +548,8 @@ __device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, co
   for (int p0 = 0; p0 < kPieces; p0 += 128) {
     const int p = p0 + warp * 32 + lane, r = p >> 2, step = (p >> 1) & 1, half = p & 1;
     const int mt = r / MR, rr = r % MR, row = m0 + mt * 16 + rr;
-    if (p < kPieces && row < a.m) {
-      const bool full = step == 0 || two;
+    if (p < kPieces) {  // rows past M zero-filled, as in copy_chunk
+      const bool full = row < a.m && (step == 0 || two);
       cp_async16_or_zero(&slot.x[mt][rr][2 * step + half],
                          full ? x + (size_t)row * a.k + (kt + step) * 16 + half * 8 : x, full);
     }
@@ -598,8 +587,6 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
     src.w += kChunk * 128;
     if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
   };
-  bool row_lo[MT], row_hi[MT];
-  row_masks<MT, MR>(m0, g, a.m, row_lo, row_hi);
   stream_ring<WS>(
       nchunks,
       [&](int slot, int c) {
@@ -610,8 +597,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
       [] { __syncthreads(); },
       [&](int slot) {
         if (has_tile)
-          compute_chunk<MT, MR, BF16, KIND, false>(ring[slot].w[warp], ring[slot].s[warp], ring[slot].x, lane, row_lo,
-                                                   row_hi, acc);
+          compute_chunk<MT, MR, BF16, KIND, false>(ring[slot].w[warp], ring[slot].s[warp], ring[slot].x, lane, acc);
       });
   if (!has_tile) return;
 
