@@ -66,23 +66,19 @@ __device__ __forceinline__ uint4 ld_stream(const int32_t* p) {
 #endif
 }
 
-// Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), its commit group and the wait for all
-// but the N most recent groups (the copies become visible to the issuing thread)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+// Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), or 16 zero bytes (nothing read) where
+// !full, or nothing where !issue: one predicated instruction, not a branch, so a chunk's copies stay in one basic
+// block (ptxas pads each block's group of cp.async with three no-op loads, and the branches cost too). Then the
+// commit group and the wait for all but the N most recent groups (the copies become visible to the issuing thread).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full, bool issue) {
 #if defined(HF_W4_CUDA_EMULATE)
-  hf_w4_emu::cp_async16(smem, gmem);
+  if (issue) hf_w4_emu::cp_async16(smem, gmem, full);
 #else
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-#endif
-}
-// the same copy, or 16 zero bytes (nothing read) where !full
-__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool full) {
-#if defined(HF_W4_CUDA_EMULATE)
-  hf_w4_emu::cp_async16(smem, gmem, full);
-#else
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+      "l"(gmem), "r"(full ? 16 : 0), "r"(issue ? 1 : 0)
+      : "memory");
 #endif
 }
 #if defined(HF_W4_CUDA_EMULATE)
@@ -227,7 +223,8 @@ struct ChunkSource {
   const uint16_t* x;  // row (lane >> 1) of each m16 tile, k16 step kt + (lane & 1)
   int xrows;          // tiles whose row (lane >> 1) exists
   const uint8_t* s;   // scale / zero-point piece of this lane at group 0 (int4) or at step kt (nvfp4)
-  int sstep;          // the chunk step (0 .. kChunk - 1) whose scale piece this lane copies; -1: none
+  int sstep;          // the chunk step (0 .. kChunk - 1) whose scale piece this lane copies
+  bool scopy;         // whether this lane copies a scale piece
 };
 
 template <int MT, int KIND>
@@ -239,9 +236,10 @@ __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a,
   c.xrows = 0;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) c.xrows += m0 + mt * 16 + (lane >> 1) < a.m;
-  c.sstep = -1;
-  c.s = nullptr;
-  if (lane < scale_pieces<KIND>()) {
+  c.sstep = 0;
+  c.s = static_cast<const uint8_t*>(a.scales);  // lanes without a piece: any address, never read
+  c.scopy = lane < scale_pieces<KIND>();
+  if (c.scopy) {
     if constexpr (KIND == kNvfp4) {  // lanes 4 i .. 4 i + 3: step i's 64 bytes
       c.sstep = lane >> 2;
       c.s = static_cast<const uint8_t*>(a.scales) + group_row(kt + c.sstep, nt, ksteps) + (lane & 3) * 16;
@@ -257,35 +255,45 @@ __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a,
   return c;
 }
 
-// Issue the copies of the chunk at k16 step kt. Staged rows past M are zero-filled (nothing is read), and so are the
-// pieces of the chunk's second step where it lies past ``end`` (only at the end of an odd K): they add 0 x (finite
-// weights), so the main loop needs neither a branch nor a row mask.
+// A warp's weight and scale pieces of the chunk at k16 step kt (both fused kernels), if ``issue`` (none past the
+// warp's last chunk). The pieces of the chunk's second step are zero-filled where it lies past ``end`` (only at the
+// end of an odd K): it adds 0 x (finite weights), so the main loop needs no branch. Lanes without a piece skip it by
+// predicate, not by branch.
+template <int MT, int KIND>
+__device__ __forceinline__ void copy_weight_pieces(uint4 (&w)[kChunk][32], uint4* s, const ChunkSource<MT, KIND>& c,
+                                                   const GemmArgs& a, int kt, int end, int lane, int gsteps,
+                                                   bool issue) {
+  static_assert(kChunk == 2, "two k16 steps per chunk");
+  const bool two = kt + 1 < end;
+  cp_async16(&w[0][lane], c.w, true, issue);
+  cp_async16(&w[1][lane], two ? c.w + 128 : c.w, two, issue);
+  const bool in = kt + c.sstep < end;
+  const uint8_t* src = c.s;
+  if constexpr (KIND != kNvfp4) {  // the group's row: 128 bytes of scales, 64 of zero points
+    const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
+    src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
+  } else if (!in) {
+    src = static_cast<const uint8_t*>(a.scales);
+  }
+  cp_async16(&s[c.scopy ? lane : 0], src, in, issue && c.scopy);
+}
+
+// Issue the copies of the chunk at k16 step kt for one warp: its weights and scales, and the block's rows. Staged rows
+// past M are zero-filled (nothing is read), so the main loop needs no row mask either.
 template <int MT, int MR, int KIND>
 __device__ __forceinline__ void copy_chunk(ChunkSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
-                                           const GemmArgs& a, int kt, int end, int lane, int gsteps) {
-  static_assert(kChunk == 2, "copy_chunk copies two k16 steps");
+                                           const GemmArgs& a, int kt, int end, int lane, int gsteps, bool issue) {
   const bool two = kt + 1 < end;
-  cp_async16(&slot.w[0][lane], c.w);
-  cp_async16_or_zero(&slot.w[1][lane], two ? c.w + 128 : c.w, two);
+  const int row = (lane >> 1) & (MR - 1);  // lanes 2 MR and up stage no row (MR = 8)
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    if ((lane >> 1) < MR) {
-      const bool full = mt < c.xrows && ((lane & 1) == 0 || two);  // odd lanes copy step 1's activations
-      const uint16_t* src = full ? c.x + (size_t)mt * 16 * a.k : static_cast<const uint16_t*>(a.x);
-      cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1)], src, full);
-      cp_async16_or_zero(&slot.x[mt][lane >> 1][2 * (lane & 1) + 1], full ? src + 8 : src, full);
-    }
-  if (c.sstep >= 0) {
-    const bool in = kt + c.sstep < end;
-    const uint8_t* src = c.s;
-    if constexpr (KIND != kNvfp4) {  // the group's row: 128 bytes of scales, 64 of zero points
-      const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
-      src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
-    } else if (!in) {
-      src = static_cast<const uint8_t*>(a.scales);
-    }
-    cp_async16_or_zero(&slot.s[lane], src, in);
+  for (int mt = 0; mt < MT; ++mt) {
+    const bool full = mt < c.xrows && ((lane & 1) == 0 || two);  // odd lanes copy step 1's activations
+    const uint16_t* src = full ? c.x + (size_t)mt * 16 * a.k : static_cast<const uint16_t*>(a.x);
+    const bool xcopy = issue && (lane >> 1) < MR;
+    cp_async16(&slot.x[mt][row][2 * (lane & 1)], src, full, xcopy);
+    cp_async16(&slot.x[mt][row][2 * (lane & 1) + 1], full ? src + 8 : src, full, xcopy);
   }
+  copy_weight_pieces(slot.w, slot.s, c, a, kt, end, lane, gsteps, issue);
 }
 
 template <int MT, int KIND>
@@ -418,8 +426,15 @@ __device__ __forceinline__ void store_y(const GemmArgs& a, int row, int col, flo
 // earlier before its refill. The warps' partial sums are added in warp order in shared memory (reusing the ring);
 // with split-K every split stores its partial tile and the last block to arrive (a per-tile counter) adds them in
 // split order: the result does not depend on scheduling. Dynamic shared memory: ring_bytes<MT, MR, KIND>().
+// __launch_bounds__'s minimum of resident blocks: at most 8 rows (MR = 8) the ring lets 9 blocks reside per SM, so
+// registers are held to the 56 that 9 leave (no spills; left free, ptxas takes 64 where the copies are predicated);
+// asymmetric int4 would spill within 56 and stays at 8 blocks. 0: no minimum (ptxas's own choice; an explicit 1
+// makes it take more registers than needed, e.g. 107 instead of 72 for MR = 16, where 5 blocks should fit).
+template <int MR, int KIND>
+constexpr int min_blocks() { return MR == 8 && KIND != kInt4Asym ? 9 : 0; }
+
 template <int MT, int MR, bool BF16, int KIND>
-__global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
+__global__ void __launch_bounds__(128, min_blocks<MR, KIND>()) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                          const int steps_per_split) {
 #if defined(HF_W4_DEVICE_CODE)
   using A = DevAct<BF16>;
@@ -447,7 +462,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_kernel(const GemmArgs a, const
   stream_ring<WS>(
       nchunks,
       [&](int slot, int c) {
-        if (c < nchunks) copy_chunk(wr[slot], src, a, first + 4 * kChunk * c, end, lane, gsteps);
+        copy_chunk(wr[slot], src, a, first + 4 * kChunk * c, end, lane, gsteps, c < nchunks);
         advance(src);
       },
       [] { __syncwarp(); },
@@ -519,40 +534,25 @@ struct WideSlot {
 template <int MT, int MR, int KIND>
 constexpr int wide_ring_bytes() { return ring_slots<MT, MR>() * (int)sizeof(WideSlot<MT, MR, KIND>); }
 
-// The chunk at k16 step kt (steps below ``end``): this warp's weights and scales from ``c`` (as copy_chunk), and the
-// block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows, k16 step (p / 2) & 1,
-// half p & 1)
+// The chunk at k16 step kt (steps below ``end``), if ``issue``: this warp's weights and scales from ``c`` (where it has a
+// tile), and the block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows, k16
+// step (p / 2) & 1, half p & 1; rows past M zero-filled, as in copy_chunk)
 template <int MT, int MR, int KIND>
 __device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
                                                 const GemmArgs& a, int kt, int end, int m0, int warp, int lane,
-                                                int gsteps, bool has_tile) {
+                                                int gsteps, bool has_tile, bool issue) {
+  copy_weight_pieces(slot.w[warp], slot.s[warp], c, a, kt, end, lane, gsteps, issue && has_tile);
   const bool two = kt + 1 < end;
-  if (has_tile) {
-    cp_async16(&slot.w[warp][0][lane], c.w);
-    cp_async16_or_zero(&slot.w[warp][1][lane], two ? c.w + 128 : c.w, two);
-    if (c.sstep >= 0) {
-      const bool in = kt + c.sstep < end;
-      const uint8_t* src = c.s;
-      if constexpr (KIND != kNvfp4) {
-        const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
-        src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
-      } else if (!in) {
-        src = static_cast<const uint8_t*>(a.scales);
-      }
-      cp_async16_or_zero(&slot.s[warp][lane], src, in);
-    }
-  }
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   constexpr int kPieces = MT * MR * 4;
 #pragma unroll
   for (int p0 = 0; p0 < kPieces; p0 += 128) {
-    const int p = p0 + warp * 32 + lane, r = p >> 2, step = (p >> 1) & 1, half = p & 1;
+    const int p = p0 + warp * 32 + lane < kPieces ? p0 + warp * 32 + lane : 0;  // threads past the pieces: no copy
+    const int r = p >> 2, step = (p >> 1) & 1, half = p & 1;
     const int mt = r / MR, rr = r % MR, row = m0 + mt * 16 + rr;
-    if (p < kPieces) {  // rows past M zero-filled, as in copy_chunk
-      const bool full = row < a.m && (step == 0 || two);
-      cp_async16_or_zero(&slot.x[mt][rr][2 * step + half],
-                         full ? x + (size_t)row * a.k + (kt + step) * 16 + half * 8 : x, full);
-    }
+    const bool full = row < a.m && (step == 0 || two);
+    cp_async16(&slot.x[mt][rr][2 * step + half], full ? x + (size_t)row * a.k + (kt + step) * 16 + half * 8 : x,
+                  full, issue && p0 + warp * 32 + lane < kPieces);
   }
 }
 
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   stream_ring<WS>(
       nchunks,
       [&](int slot, int c) {
-        if (c < nchunks) copy_wide_chunk(ring[slot], src, a, kb + kChunk * c, end, m0, warp, lane, gsteps, has_tile);
+        copy_wide_chunk(ring[slot], src, a, kb + kChunk * c, end, m0, warp, lane, gsteps, has_tile, c < nchunks);
         next();
       },
       // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
