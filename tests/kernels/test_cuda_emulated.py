@@ -108,10 +108,11 @@ def test_fused_kernel_emulated(emu, case, gs, dtype, wide):
 @pytest.mark.parametrize("mt", [1, 2, 4])
 def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
     """Each m16 tiling forced at M = 1-40 (four tiles: up to 70) over several m-blocks; with and without split-K
-    (K = 2048 splits, the wide N does not); the same inputs give the same bits twice."""
+    (K = 2048 splits, the wide N does not) and with a short last chunk (K = 592: 37 k16 steps); the same inputs give
+    the same bits twice."""
     case = next(c for c in LAYOUTS if c[1] == "gptq")
-    for n, k in ((128, 2048), (1024, 256)):
-        layer = Layer(case, 128, n, k, seed=7)
+    for n, k, gs in ((128, 2048, 128), (1024, 256, 128), (136, 592, -1)):
+        layer = Layer(case, gs, n, k, seed=7)
         wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
         x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for m in (1, 17, 40) + ((64, 70) if mt == 4 else ()):
