@@ -1,8 +1,8 @@
 """Declares the compiled op libraries (setup.cfg holds everything else).
 
 CPU sources (csrc/cpu/*.cpp) are always built into hf_w4._C. Where torch has CUDA and a CUDA toolkit is found, the
-CUDA kernels (csrc/cuda: *.cu device code + one .cpp of torch glue) are built into hf_w4._C_cuda for sm_80 and sm_90
-with PTX for newer GPUs (TORCH_CUDA_ARCH_LIST overrides; HF_W4_NO_CUDA=1 skips them). Neither library is a Python
+CUDA kernels (csrc/cuda: *.cu device code + one .cpp of torch glue) are built into hf_w4._C_cuda for sm_80 and sm_90a
+(Hopper's wgmma) with sm_90 PTX for newer GPUs (TORCH_CUDA_ARCH_LIST overrides; HF_W4_NO_CUDA=1 skips them). Neither library is a Python
 module: hf_w4/_ext.py loads them with torch.ops.load_library (and JIT-builds csrc/cuda when _C_cuda is missing).
 """
 import glob
@@ -24,8 +24,11 @@ exts = [CppExtension("hf_w4._C", sources, include_dirs=[os.path.abspath("csrc")]
 
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
 if cuda_sources and torch.version.cuda and CUDA_HOME is not None and os.environ.get("HF_W4_NO_CUDA") != "1":
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    # explicit -gencode flags replace torch's; one SASS per GPU generation, so an H100 runs the sm_90a code
+    arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90,code=compute_90"]
     exts.append(CUDAExtension("hf_w4._C_cuda", cuda_sources, include_dirs=[os.path.abspath("csrc/cuda")],
-                              extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}, py_limited_api=False))
+                              extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"] + arch}, py_limited_api=False))
 
 setup(ext_modules=exts, cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -89,10 +89,13 @@ def load_cuda() -> bool:
             else:
                 build = cuda_build_dir()
                 os.makedirs(build, exist_ok=True)
+                # on an H100 / H200 the library is built for sm_90a (its wgmma kernel); elsewhere torch picks
+                arch = ([] if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.get_device_capability() != (9, 0)
+                        else ["-gencode=arch=compute_90a,code=sm_90a"])
                 cpp_extension.load(
                     name="hf_w4_cuda", sources=sorted(glob.glob(os.path.join(src, "*.cpp")) +
                                                       glob.glob(os.path.join(src, "*.cu"))),
-                    extra_include_paths=[src], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
+                    extra_include_paths=[src], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"] + arch,
                     build_directory=build, is_python_module=False,
                     verbose=env.text("HF_W4_CUDA_VERBOSE") == "1")
                 ok = True

@@ -653,6 +653,170 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 #endif
 }
 
+// ---- Hopper (sm_90a): wgmma.mma_async with the weights as the A operand, from registers. A warpgroup (the block's 4
+// warps) multiplies one 64-column tile by kWgRows rows of x per k16 step: warp w dequantizes word w of each lane's
+// packed 16 bytes, which is the mma.m16n8k16 A fragment of columns 16 w .. 16 w + 15 (as the MR = 8 path's
+// transposed product) and also wgmma's A layout for rows 16 w .. 16 w + 15 of the 64; B (kWgRows x 16) is the rows of x
+// in shared memory, K-major in 8 x 16-byte core matrices (no swizzle). D holds y^T: 64 columns x kWgRows rows.
+// Taken only where forced (HF_W4_CUDA_WGMMA=1) until a GPU run has measured it; the body exists only in sm_90a code.
+constexpr int kWgRows = 128;
+
+template <int KIND>
+struct WgSlot {
+  uint4 w[kChunk][32];
+  uint4 s[scale_pieces<KIND>()];
+  uint4 x[kChunk][kWgRows / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
+};
+template <int KIND>
+constexpr int wg_ring_bytes() { return 4 * (int)sizeof(WgSlot<KIND>); }
+
+// The wgmma kernel's device helpers, compiled where its body is (sm_90a, and the emulation)
+#if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// 32-bit shared-memory address of p (the emulation: its offset in the block's shared memory)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+#if defined(HF_W4_CUDA_EMULATE)
+  return hf_w4_emu::smem_offset(p);
+#else
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
+}
+// wgmma shared-memory descriptor of a K-major B operand without swizzle: start address, the offset between the two
+// core matrices of a k16 step (K direction, 128 bytes) and between 8-row groups (256 bytes), all in 16-byte units
+__device__ __forceinline__ uint64_t wg_desc(const void* b) {
+  return (uint64_t)((smem_addr(b) >> 4) & 0x3fff) | (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;
+}
+
+// Orders this thread's generic-proxy writes to shared memory (the cp.async copies) before wgmma's reads of them
+__device__ __forceinline__ void fence_proxy_async() {
+#if !defined(HF_W4_CUDA_EMULATE)
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// d (64 x kWgRows, fp32, this thread's 64 values) += A (64 x 16, registers) x B (16 x kWgRows, shared memory at desc),
+// then waits for it: the A registers and d are free again on return
+template <bool BF16>
+__device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::wgmma_m64k16<BF16>(d, a, desc, kWgRows);
+#else
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#define HF_W4_WGMMA_M64N128K16(TYPE)                                                                            \
+  asm volatile(                                                                                                 \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                                            \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                                         \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                          \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+  if constexpr (BF16) HF_W4_WGMMA_M64N128K16("bf16");
+  else HF_W4_WGMMA_M64N128K16("f16");
+#undef HF_W4_WGMMA_M64N128K16
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  // keep the compiler from reusing A's registers or reading d before the wait
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[i]) : "memory");
+#endif
+}
+
+// A lane's tile reduced to word j (weights, scales, zero points of sub-tiles 2 j, 2 j + 1) as sub-tiles 0 and 1, so
+// that dequant_sub indexes with constants (a warp-dependent j would put the tile in local memory)
+__device__ __forceinline__ WTile word_of(const WTile& t, int j) {
+  const auto pick = [j](uint4 v) { return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w)); };
+  WTile r;
+  r.w = make_uint4(pick(t.w), 0u, 0u, 0u);
+  r.s = make_uint4(pick(t.s), 0u, 0u, 0u);
+  r.z = make_uint2((j < 2 ? t.z.x : t.z.y) >> (16 * (j & 1)), 0u);
+  return r;
+}
+#endif
+
+// Block: one warpgroup, 64 columns (tile blockIdx.y) x kWgRows rows (block blockIdx.x) over all of K, chunks of kChunk
+// steps through a block-wide ring of 4 slots: warp 0 copies the weights and scales (copy_weight_pieces), all threads
+// the rows of x, rows past M zero-filled.
+template <bool BF16, int KIND>
+__global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const GemmArgs a) {
+#if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using A = DevAct<BF16>;
+  using Slot = WgSlot<KIND>;
+  extern __shared__ uint4 smem[];
+  const int nt = blockIdx.y, m0 = blockIdx.x * kWgRows;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int gsteps = a.group_size >> 4, end = a.k / 16;
+  const int nchunks = (end + kChunk - 1) / kChunk;
+  Slot* ring = reinterpret_cast<Slot*>(smem);
+  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, 0, nt, 0, lane);
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  stream_ring<4>(
+      nchunks,
+      [&](int slot, int c) {
+        const int kt = kChunk * c;
+        const bool issue = c < nchunks;
+        copy_weight_pieces(ring[slot].w, ring[slot].s, src, a, kt, end, lane, gsteps, issue && warp == 0);
+        src.w += kChunk * 128;
+        if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
+        constexpr int kPieces = kChunk * kWgRows * 2;  // 16-byte pieces: (step, row, k half)
+#pragma unroll
+        for (int p = tid; p < kPieces; p += 128) {
+          const int step = p / (2 * kWgRows), row = (p >> 1) % kWgRows, half = p & 1;
+          const bool full = m0 + row < a.m && kt + step < end;
+          cp_async16(&ring[slot].x[step][row >> 3][half][row & 7],
+                     full ? x + (size_t)(m0 + row) * a.k + (kt + step) * 16 + half * 8 : x, full, issue);
+        }
+      },
+      [] {
+        fence_proxy_async();
+        __syncthreads();
+      },
+      [&](int slot) {
+        const Slot& s = ring[slot];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          WTile wt;
+          wt.w = s.w[i][lane];
+          if constexpr (KIND == kNvfp4) {
+            wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(s.s + 4 * i)[g]);
+            wt.z = make_uint2(0u, 0u);
+          } else {
+            wt.s = s.s[8 * i + g];
+            wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s.s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
+          }
+          // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
+          const WTile ww = word_of(wt, warp);
+          uint32_t af[4];
+          dequant_sub<A, KIND>(ww, 0, af[0], af[2]);
+          dequant_sub<A, KIND>(ww, 1, af[1], af[3]);
+          wgmma_step<BF16>(acc, af, wg_desc(&s.x[i][0][0][0]));
+        }
+      });
+  // acc[4 j + r]: column nt 64 + 16 warp + g + 8 (r >> 1), row m0 + 8 j + 2 t + (r & 1)
+#pragma unroll
+  for (int j = 0; j < kWgRows / 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = m0 + 8 * j + 2 * t + (r & 1), col = nt * 64 + 16 * warp + g + 8 * (r >> 1);
+      if (row < a.m && col < a.n) store_y<A, KIND>(a, row, col, acc[4 * j + r]);
+    }
+#endif
+}
+
 // Block: one 64-column tile x kDqSteps k16 steps. Warp w dequantizes step kt0 + w (each lane its 64 weights) into a
 // shared [64 n][kDqSteps * 16 k] tile; the block then writes whole 16-byte pieces of rows of the dense [N, K]
 // (row-major) output, so a warp stores two contiguous 256-byte row segments instead of scattered 4-byte pairs.
@@ -769,9 +933,20 @@ void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) 
   else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
 }
 
+template <bool BF16, int KIND>
+void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  const dim3 grid(p.mblocks, p.ntiles);
+  const auto kernel = w4a16_wgmma_kernel<BF16, KIND>;
+  HF_W4_LAUNCH(kernel, grid, 128, wg_ring_bytes<KIND>(), stream)(a);
+}
+
 template <bool BF16>
 void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (a.kind == kNvfp4) launch_gemm_any<BF16, kNvfp4>(a, p, stream);
+  if (p.wgmma) {
+    if (a.kind == kNvfp4) launch_wgmma<BF16, kNvfp4>(a, p, stream);
+    else if (a.kind == kInt4Asym) launch_wgmma<BF16, kInt4Asym>(a, p, stream);
+    else launch_wgmma<BF16, kInt4Sym>(a, p, stream);
+  } else if (a.kind == kNvfp4) launch_gemm_any<BF16, kNvfp4>(a, p, stream);
   else if (a.kind == kInt4Asym) launch_gemm_any<BF16, kInt4Asym>(a, p, stream);
   else launch_gemm_any<BF16, kInt4Sym>(a, p, stream);
 }
@@ -805,10 +980,76 @@ int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
   return c;
 }
 
+// w4a16_wgmma_available's probe: whether this device runs sm_90a code of the library
+#if !defined(HF_W4_CUDA_EMULATE)
+__global__ void wgmma_probe_kernel(int* built) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *built = 1;
+#else
+  *built = 0;
+#endif
+}
+#endif
+
+// blocks of the wgmma kernel resident per SM (the occupancy API)
+template <bool BF16, int KIND>
+int wgmma_blocks_per_sm() {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<BF16, KIND>, 128, wg_ring_bytes<KIND>()) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  return n > 0 ? n : 1;
+}
+
 }  // namespace
 
+// Whether the wgmma kernel runs on the current device: compute capability 9.0 and the library's code for it built
+// for sm_90a (a one-thread probe, once per device; the emulation always has it)
+bool w4a16_wgmma_available() {
+#if defined(HF_W4_CUDA_EMULATE)
+  return true;
+#else
+  static int cache[16] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) return false;
+  if (!cache[dev]) {
+    int major = 0, minor = 0, built = 0;
+    int* flag = nullptr;
+    bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+              major == 9 && minor == 0 && cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+    if (ok) {
+      wgmma_probe_kernel<<<1, 1>>>(flag);
+      ok = cudaMemcpy(&built, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && built == 1;
+    }
+    if (flag) (void)cudaFree(flag);
+    (void)cudaGetLastError();
+    cache[dev] = ok ? 1 : 2;
+  }
+  return cache[dev] == 1;
+#endif
+}
+
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits) {
+                         int splits, bool wgmma) {
+  if (wgmma) {  // 128 rows x one column tile per block, K whole
+    GemmPlan p = plan_gemm(m, npad, k, sms, 1, false, 1);
+    p.wgmma = true;
+    p.mt = kWgRows / 16;
+    p.mr = 16;
+    p.bm = kWgRows;
+    p.mblocks = (m + kWgRows - 1) / kWgRows;
+    if (blocks_per_sm)
+      *blocks_per_sm = bf16 ? (kind == kNvfp4 ? wgmma_blocks_per_sm<true, kNvfp4>()
+                                              : (kind == kInt4Asym ? wgmma_blocks_per_sm<true, kInt4Asym>()
+                                                                   : wgmma_blocks_per_sm<true, kInt4Sym>()))
+                            : (kind == kNvfp4 ? wgmma_blocks_per_sm<false, kNvfp4>()
+                                              : (kind == kInt4Asym ? wgmma_blocks_per_sm<false, kInt4Asym>()
+                                                                   : wgmma_blocks_per_sm<false, kInt4Sym>()));
+    return p;
+  }
   int t = mt ? mt : plan_mt(m, k);
   bool w = wide > 0;
   if (!mt && wide < 0 && m > 8 && m <= 64 && npad / 64 >= 3 * sms) {

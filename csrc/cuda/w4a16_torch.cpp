@@ -115,10 +115,20 @@ int splits_override() {
   return plan_setting("HF_W4_CUDA_SPLITS", 0, [](int v) { return v > 0; }, "a positive number of K splits");
 }
 
+// HF_W4_CUDA_WGMMA=1: the sm_90a wgmma kernel (blocks of 128 rows) for every M, where this GPU and build have it;
+// not taken otherwise until a GPU run has measured it
+bool wgmma_forced() {
+  const bool on = plan_setting("HF_W4_CUDA_WGMMA", 0, [](int v) { return v == 0 || v == 1; },
+                               "1 (the sm_90a wgmma kernel) or 0 (not)") == 1;
+  TORCH_CHECK(!on || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=1: the wgmma kernel needs a GPU of compute "
+              "capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
+  return on;
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
   return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt_override(), wide_kernel(),
-                         blocks_per_sm, splits_override());
+                         blocks_per_sm, splits_override(), wgmma_forced());
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
@@ -232,7 +242,7 @@ std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weig
   const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
   int bps = 0;
   const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
-  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0};
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0, p.wgmma ? 1 : 0};
 }
 
 }  // namespace

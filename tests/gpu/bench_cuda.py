@@ -120,7 +120,7 @@ def _honoured(var: str, value: int, field: int) -> bool:
     os.environ[var] = str(value)
     try:
         return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == value
-    except RuntimeError:
+    except (RuntimeError, IndexError):  # refused, or a plan without that field
         return False
     finally:
         del os.environ[var]
@@ -139,11 +139,13 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
+WGMMA_MS = (64, 256, 1024, 2048)  # the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA=1), against dense bf16 of the main table
 
 
-def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
+def _tilings(n: int, k: int, i4, copies: int, record: dict, dense_bf16: dict) -> str:
     """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide), and at M = 1
-    and 16 with a half and a quarter of the plan's K splits; the times also go into ``record`` by cell name."""
+    and 16 with a half and a quarter of the plan's K splits, and the wgmma kernel at WGMMA_MS where this GPU and build
+    have it (its speed-up over dense bf16 in brackets); the times also go into ``record`` by cell name."""
     cells = []
     split_k = _honoured("HF_W4_CUDA_SPLITS", 1, 3)
     for m, mts in TILING_MS.items():
@@ -161,6 +163,12 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
             us = _fused_us({"HF_W4_CUDA_SPLITS": str(s)}, x, i4, n, copies, 20)
             cells.append(f"M={m} splits {s}/{plan[3]} {us:6.1f}")
             record[f"{n}x{k} M={m} splits{s}"] = us
+    for m in WGMMA_MS if _honoured("HF_W4_CUDA_WGMMA", 1, 7) else ():
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        us = _fused_us({"HF_W4_CUDA_WGMMA": "1"}, x, i4, n, copies, 20 if m <= 64 else 5)
+        dense = dense_bf16.get(m)
+        cells.append(f"M={m} wgmma {us:6.1f}" + (f" ({dense / us:.2f}x)" if dense else ""))
+        record[f"{n}x{k} M={m} wgmma"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 
 
@@ -281,7 +289,8 @@ def main(argv=None) -> int:
             elif m >= 1024:
                 targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
-        tilings.append(_tilings(n, k, i4, cq, record["tilings"]))
+        tilings.append(_tilings(n, k, i4, cq, record["tilings"],
+                                {m: record["times"][f"{n}x{k} M={m}"]["bf16"] for m in MS}))
         dense = i4 = f4 = i4pack = None  # free this shape's weights (rebound, not deleted: closures read them)
         torch.cuda.empty_cache()
     print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")

@@ -211,7 +211,8 @@ def test_plan_reports_a_split_covering_k():
     assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
-        mt, mblocks, ntiles, splits, steps, bps, wide = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        mt, mblocks, ntiles, splits, steps, bps, wide, wgmma = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        assert wgmma == 0, "the wgmma kernel is taken only where forced"
         assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
         assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
@@ -219,6 +220,35 @@ def test_plan_reports_a_split_covering_k():
         assert wide == (8 < m <= 64 and ntiles >= 3 * sms), (m, n, wide)  # the wide kernel's rule
     with pytest.raises(RuntimeError, match="weight_type 'int8' is not supported"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "modelopt_nvfp4"])
+def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
+    """HF_W4_CUDA_WGMMA=1 on an H100 / H200 (the library is built for sm_90a there): blocks of 128 rows x 64 columns
+    over all of K, every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
+    case = next(c for c in LAYOUTS if c[0] == name)
+    _, layout, sym, ao, zp1 = case
+    gs = 16 if "nvfp4" in layout else -1
+    spec, qw = make_qweight(layout, 200, 592, gs, sym, ao, zp1, seed=21, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    nv = qw.weight_type == "nvfp4"
+    w = kernel_dtype_weight(qw, dtype, global_scale=not nv)
+    g = kern.global_scale if nv else 1.0
+    bias = (torch.randn(200, device="cuda") * 0.1).to(dtype)
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    for m in (1, 64, 257, 2048):
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
+                                               dtype == torch.bfloat16)
+        assert plan[7] == 1 and plan[1] == -(-m // 128) and plan[3] == 1, plan
+        x = torch.randn(m, 592, device="cuda").to(dtype)
+        xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
+        y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"], bias,
+                                            200, kern.group_size, kern.weight_type, kern.global_scale)
+        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma {name} {dtype} M={m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

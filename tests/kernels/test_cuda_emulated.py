@@ -36,7 +36,7 @@ def emu(cxx_library):
              os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu")]
     lib = cxx_library(os.path.join(EMU, "w4a16_emu.cpp"), flags,
                       "g++ not found: the emulated CUDA kernels cannot be built")
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + \
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 5 + \
         [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
@@ -66,16 +66,16 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0):
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=False):
         """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
-        splits forced (0: the plan's)."""
+        splits forced (0: the plan's); wgmma: the sm_90a wgmma kernel instead."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
         nsplits = ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
                                 int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
-                                -1 if wide is None else int(wide), splits,
+                                -1 if wide is None else int(wide), splits, int(wgmma),
                                 ctypes.byref(nsplits))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
         return y, nsplits.value
@@ -143,6 +143,26 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
         y, splits = layer.gemm(emu, x, dtype, bias, mt=4, wide=wide, sms=sms)
         check_kernel_output(y, x, wk, g, bias, U[dtype], False,
                             f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
+def test_wgmma_kernel_emulated(emu, name, dtype):
+    """The sm_90a wgmma kernel (forced; blocks of 128 rows x 64 columns, K whole): every weight kind, both dtypes, a
+    bias, a full and a partial block of rows and several m-blocks, K with a short last chunk (37 k16 steps)."""
+    case = next(c for c in LAYOUTS if c[0] == name)
+    gs = 16 if "nvfp4" in name else -1
+    n, k = 136, 592
+    layer = Layer(case, gs, n, k, seed=12)
+    wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
+    g = layer.kern.global_scale if layer.nv else 1.0
+    gen = torch.Generator().manual_seed(6)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    for m in (1, 128, 150):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        y, splits = layer.gemm(emu, x, dtype, bias, wgmma=True)
+        assert splits == 1
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma M={m}")
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])

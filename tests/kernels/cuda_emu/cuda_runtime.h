@@ -88,6 +88,10 @@ struct WarpSlots {  // what the lanes of a warp deposit for a collective
   uint32_t a[32][4], b[32][2];
   uint32_t v[32];
 };
+struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmma
+  uint32_t a[128][4];
+  uint64_t desc[128];
+};
 
 struct BlockState {
   std::vector<Fiber> fibers;
@@ -103,6 +107,7 @@ struct BlockState {
   int warp_arrived[32] = {}, warp_exited[32] = {};
   uint64_t warp_gen[32] = {};
   WarpSlots warp[32];
+  WarpgroupSlots warpgroup;
   std::function<void()> body;
 };
 
@@ -400,3 +405,62 @@ thread_local uint4 smem[hf_w4_emu::kSharedBytes / 16];
 }  // namespace
 }  // namespace cuda
 }  // namespace hf_w4
+
+namespace hf_w4_emu {
+inline uint32_t smem_offset(const void* p) {
+  return (uint32_t)(static_cast<const char*>(p) - reinterpret_cast<const char*>(hf_w4::cuda::smem));
+}
+
+// wgmma.mma_async.m64nNk16 (.f32 accumulators, .f16 / .bf16 operands) with A from registers and B from shared memory,
+// completed at once (as if waited for), over a block of one warpgroup: A's fragments per warp as mma.m16n8k16's
+// (warp w: rows 16 w ..), B K-major without swizzle through the descriptor (start address, K-direction core-matrix
+// offset, 8-row-group offset, each >> 4; anything else aborts), D as 16 x N per warp: value i at row 16 w + g +
+// 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1).
+template <bool BF16, size_t V>
+void wgmma_m64k16(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
+  BlockState* bs = block();
+  const int me = tid();
+  if (bs->threads != 128 || (size_t)n != 2 * V || n % 8 || n > 256) {
+    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma needs a block of one warpgroup and N = 2 x its values\n");
+    std::abort();
+  }
+  WarpgroupSlots& wg = bs->warpgroup;
+  for (int i = 0; i < 4; ++i) wg.a[me][i] = a[i];
+  wg.desc[me] = desc;
+  block_barrier();
+  const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4,
+                 sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+  bool same = true;
+  for (int t = 0; t < 128; ++t) same = same && wg.desc[t] == desc;
+  if (!same || (desc >> 49) != 0 || (desc & 0xc000ull) || (desc & 0xc0000000ull) || ((desc >> 46) & 7) ||
+      start + (size_t)(n / 8 - 1) * sbo + lbo + 128 > kSharedBytes) {
+    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma descriptor %llx not supported (one for all threads, no "
+                 "swizzle, base offset 0, inside shared memory)\n", (unsigned long long)desc);
+    std::abort();
+  }
+  auto half = [](uint32_t v, int h) {
+    const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
+    return BF16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
+  };
+  const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem) + start;
+  auto A = [&](int row, int k) {
+    const int r = row % 16;
+    return half(wg.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
+  };
+  auto B = [&](int k, int col) {
+    uint16_t v;
+    std::memcpy(&v, base + (size_t)(col / 8) * sbo + (size_t)(k / 8) * lbo + (col % 8) * 16 + (k % 8) * 2, 2);
+    return half(v, 0);
+  };
+  const int w = me / 32, g = (me & 31) >> 2, t = me & 3;
+  float out[V];
+  for (size_t i = 0; i < V; ++i) {
+    const int row = 16 * w + g + 8 * (int)((i >> 1) & 1), col = 8 * (int)(i >> 2) + 2 * t + (int)(i & 1);
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s = std::fmaf(A(row, k), B(k, col), s);
+    out[i] = s;
+  }
+  block_barrier();  // every thread has read the deposits
+  for (size_t i = 0; i < V; ++i) d[i] = out[i];
+}
+}  // namespace hf_w4_emu
