@@ -124,20 +124,23 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
             assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
 
 
+def _layer_and_bias(name, gs, n, k, dtype, seed):
+    """The layout ``name``'s layer, the weight the kernels multiply by (NVFP4: without its global scale ``g``, which
+    they apply to the sums), a generator for the inputs and a bias."""
+    layer = Layer(next(c for c in LAYOUTS if c[0] == name), gs, n, k, seed=seed)
+    wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
+    gen = torch.Generator().manual_seed(seed)
+    return layer, wk, layer.kern.global_scale if layer.nv else 1.0, gen, (torch.randn(n, generator=gen) * 0.1).to(dtype)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_actorder_asym", "awq", "ct_nvfp4"])
 def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
     """Four m16 tiles per block (forced) for the other weight kinds (zero points, act-order, NVFP4), both dtypes, a
     bias, a full and a partial block of 64 rows, K split or not."""
-    case = next(c for c in LAYOUTS if c[0] == name)
-    gs = 16 if "nvfp4" in name else 64
     n, k = 136, 512
-    layer = Layer(case, gs, n, k, seed=9)
-    wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
-    g = layer.kern.global_scale if layer.nv else 1.0
-    gen = torch.Generator().manual_seed(4)
-    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else 64, n, k, dtype, seed=9)
     for m, sms in ((64, SMS), (50, 2)):
         x = torch.randn(m, k, generator=gen).to(dtype)
         y, splits = layer.gemm(emu, x, dtype, bias, mt=4, wide=wide, sms=sms)
@@ -150,14 +153,8 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
 def test_wgmma_kernel_emulated(emu, name, dtype):
     """The sm_90a wgmma kernel (forced; blocks of 128 rows x 64 columns, K whole): every weight kind, both dtypes, a
     bias, a full and a partial block of rows and several m-blocks, K with a short last chunk (37 k16 steps)."""
-    case = next(c for c in LAYOUTS if c[0] == name)
-    gs = 16 if "nvfp4" in name else -1
     n, k = 136, 592
-    layer = Layer(case, gs, n, k, seed=12)
-    wk = kernel_dtype_weight(layer.qw, dtype, global_scale=not layer.nv)
-    g = layer.kern.global_scale if layer.nv else 1.0
-    gen = torch.Generator().manual_seed(6)
-    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
     for m in (1, 128, 150):
         x = torch.randn(m, k, generator=gen).to(dtype)
         y, splits = layer.gemm(emu, x, dtype, bias, wgmma=True)
