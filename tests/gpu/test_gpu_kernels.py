@@ -251,6 +251,33 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
         check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma {name} {dtype} M={m}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
+def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch):
+    """One-hot rows of x pick single weight columns, so each output row must equal one column of W exactly: row m
+    with its 1 at k(m) gives W[:, k(m)]. A wrong descriptor (k order of B) or fragment layout (A / D) shows here as
+    the k or the columns found instead, which says which of them is off."""
+    n, k, m = 64, 128, 128
+    spec, qw = make_qweight("gptq", n, k, -1, True, False, False, seed=5, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    w = kernel_dtype_weight(qw, torch.float16)  # [n, k]
+    ks = [(7 * r + r // 16) % k for r in range(m)]
+    x = torch.zeros(m, k, device="cuda", dtype=torch.float16)
+    x[torch.arange(m), torch.tensor(ks)] = 1
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, torch.float16), None, None, n,
+                                        kern.group_size, "int4", 1.0)
+    wrong = []
+    for r in range(m):
+        if not torch.equal(y[r], w[:, ks[r]]):
+            found = [j for j in range(k) if torch.equal(y[r], w[:, j])]
+            off = (y[r] != w[:, ks[r]]).nonzero().flatten().tolist()
+            wrong.append(f"row {r} (k={ks[r]}): equals W[:, k] for k in {found or 'none'}; the columns that differ "
+                         f"from W[:, {ks[r]}]: {off[:16]}{' ...' if len(off) > 16 else ''}")
+    assert not wrong, f"{len(wrong)} of {m} rows wrong; " + "; ".join(wrong[:6])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_forced_tiling_keeps_the_budget(monkeypatch, dtype):
     """HF_W4_CUDA_MT / HF_W4_CUDA_SPLITS (the benchmark's tiling and split-K comparisons) run the other tiling or
