@@ -139,13 +139,13 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
-WGMMA_MS = (64, 256, 1024, 2048)  # the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA=1), against dense bf16 of the main table
+WGMMA_MS = (64, 256, 1024, 2048)  # the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA=1), against the main table's bf16 paths
 
 
 def _wgmma_lines(record: dict) -> list:
     """The wgmma kernel (int4 bf16, forced) at WGMMA_MS on every shape, where this GPU and build have it: microseconds
-    and, in brackets, dense bf16's time / its own (from the main table); also into ``record``. Run last: a kernel
-    that faults must not cost the other results."""
+    and, in brackets, the time of dense bf16 and of dequantize + cuBLAS (the path it would replace; both from the main
+    table) / its own; also into ``record``. Run last: a kernel that faults must not cost the other results."""
     if not _honoured("HF_W4_CUDA_WGMMA", 1, 7):
         return ["wgmma kernel: not available here (needs compute capability 9.0 and an sm_90a build)"]
     lines = []
@@ -156,8 +156,9 @@ def _wgmma_lines(record: dict) -> list:
         for m in WGMMA_MS:
             x = torch.randn(m, k, device="cuda").bfloat16()
             us = _fused_us({"HF_W4_CUDA_WGMMA": "1"}, x, i4, n, cq, 20 if m <= 64 else 5)
-            dense = record["times"].get(f"{n}x{k} M={m}", {}).get("bf16")
-            cells.append(f"M={m} {us:7.1f}" + (f" ({dense / us:.2f}x)" if dense else ""))
+            main = record["times"].get(f"{n}x{k} M={m}", {})
+            cells.append(f"M={m} {us:7.1f}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 deq'] / us:.2f}x)"
+                                                if "bf16" in main and "i4 deq" in main else ""))
             record["tilings"][f"{n}x{k} M={m} wgmma"] = us
         lines.append(f"{f'{n}x{k}':>12} | " + " | ".join(cells))
         i4 = None
@@ -322,7 +323,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("wgmma kernel (HF_W4_CUDA_WGMMA=1), int4 bf16, microseconds per call (dense bf16 / it):", flush=True)
+    print("wgmma kernel (HF_W4_CUDA_WGMMA=1), int4 bf16, microseconds per call (dense bf16 / it, dequantize + cuBLAS "
+          "/ it):", flush=True)
     for line in _wgmma_lines(record):
         print(line, flush=True)
     if a.json:
