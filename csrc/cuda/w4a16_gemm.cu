@@ -296,11 +296,12 @@ __device__ __forceinline__ void copy_chunk(ChunkSlot<MT, MR, KIND>& slot, const 
   copy_weight_pieces(slot.w, slot.s, c, a, kt, end, lane, gsteps, issue);
 }
 
+// the sources ``steps`` k16 steps on (the warp-interleaved kernel: a chunk for each of the 4 warps; the others: one)
 template <int MT, int KIND>
-__device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c) {
-  c.w += 4 * kChunk * 128;
-  c.x += 4 * kChunk * 16;
-  if constexpr (KIND == kNvfp4) c.s += 4 * kChunk * 64;
+__device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c, int steps) {
+  c.w += steps * 128;
+  c.x += steps * 16;
+  if constexpr (KIND == kNvfp4) c.s += steps * 64;
 }
 
 // The ring both fused kernels stream their chunks through: WS slots, chunk c in slot c % WS, WS - 1 chunks in flight
@@ -338,6 +339,23 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT][8][4]) {
       for (int r = 0; r < 4; ++r) acc[mt][s][r] = 0.f;
 }
 
+// A lane's tile of step i of a chunk in shared memory: its weights (w[i][lane]) and the scales / zero points of its
+// column g, from the scale pieces laid out as ChunkSlot::s (NVFP4: prepared by nvfp4_scales)
+template <class A, int KIND>
+__device__ __forceinline__ WTile chunk_tile(const uint4 (&w)[kChunk][32], const uint4* s, int i, int lane) {
+  const int g = lane >> 2;
+  WTile wt;
+  wt.w = w[i][lane];
+  if constexpr (KIND == kNvfp4) {
+    wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(s + 4 * i)[g]);
+    wt.z = make_uint2(0u, 0u);
+  } else {
+    wt.s = s[8 * i + g];
+    wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
+  }
+  return wt;
+}
+
 // One warp's work on a chunk in shared memory: per k16 step its weights (w[step][lane]), scale / zero-point pieces
 // (s, laid out as ChunkSlot::s) and the staged rows x (zero past M; rows 8..15 of the tile read as zero where only 8
 // are staged), dequantized and multiplied into acc.
@@ -354,15 +372,7 @@ __device__ __forceinline__ void compute_chunk(const uint4 (&w)[kChunk][32], cons
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    WTile wt;
-    wt.w = w[i][lane];
-    if constexpr (KIND == kNvfp4) {
-      wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(s + 4 * i)[g]);
-      wt.z = make_uint2(0u, 0u);
-    } else {
-      wt.s = s[8 * i + g];
-      wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
-    }
+    const WTile wt = chunk_tile<A, KIND>(w, s, i, lane);
     if constexpr (WT) {
       const uint32_t* xr = reinterpret_cast<const uint32_t*>(x[0][g]) + 8 * i + t;  // row g: B fragment column g
       const uint32_t x0 = xr[0], x1 = xr[4];
@@ -434,8 +444,8 @@ template <int MR, int KIND>
 constexpr int min_blocks() { return MR == 8 && KIND != kInt4Asym ? 9 : 0; }
 
 template <int MT, int MR, bool BF16, int KIND>
-__global__ void __launch_bounds__(128, min_blocks<MR, KIND>()) w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits,
-                                                         const int steps_per_split) {
+__global__ void __launch_bounds__(128, min_blocks<MR, KIND>())
+    w4a16_gemm_kernel(const GemmArgs a, const int ntiles, const int splits, const int steps_per_split) {
 #if defined(HF_W4_DEVICE_CODE)
   using A = DevAct<BF16>;
   using Slot = ChunkSlot<MT, MR, KIND>;
@@ -463,7 +473,7 @@ __global__ void __launch_bounds__(128, min_blocks<MR, KIND>()) w4a16_gemm_kernel
       nchunks,
       [&](int slot, int c) {
         copy_chunk(wr[slot], src, a, first + 4 * kChunk * c, end, lane, gsteps, c < nchunks);
-        advance(src);
+        advance(src, 4 * kChunk);
       },
       [] { __syncwarp(); },
       [&](int slot) {
@@ -534,9 +544,9 @@ struct WideSlot {
 template <int MT, int MR, int KIND>
 constexpr int wide_ring_bytes() { return ring_slots<MT, MR>() * (int)sizeof(WideSlot<MT, MR, KIND>); }
 
-// The chunk at k16 step kt (steps below ``end``), if ``issue``: this warp's weights and scales from ``c`` (where it has a
-// tile), and the block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows, k16
-// step (p / 2) & 1, half p & 1; rows past M zero-filled, as in copy_chunk)
+// The chunk at k16 step kt (steps below ``end``), if ``issue``: this warp's weights and scales from ``c`` (where it
+// has a tile), and the block's activation pieces, spread over the 128 threads (piece p: row p / 4 of the staged rows,
+// k16 step (p / 2) & 1, half p & 1; rows past M zero-filled, as in copy_chunk)
 template <int MT, int MR, int KIND>
 __device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, const ChunkSource<MT, KIND>& c,
                                                 const GemmArgs& a, int kt, int end, int m0, int warp, int lane,
@@ -547,12 +557,13 @@ __device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, co
   constexpr int kPieces = MT * MR * 4;
 #pragma unroll
   for (int p0 = 0; p0 < kPieces; p0 += 128) {
-    const int p = p0 + warp * 32 + lane < kPieces ? p0 + warp * 32 + lane : 0;  // threads past the pieces: no copy
+    const bool piece = p0 + warp * 32 + lane < kPieces;  // threads past the pieces copy nothing
+    const int p = piece ? p0 + warp * 32 + lane : 0;
     const int r = p >> 2, step = (p >> 1) & 1, half = p & 1;
     const int mt = r / MR, rr = r % MR, row = m0 + mt * 16 + rr;
     const bool full = row < a.m && (step == 0 || two);
     cp_async16(&slot.x[mt][rr][2 * step + half], full ? x + (size_t)row * a.k + (kt + step) * 16 + half * 8 : x,
-                  full, issue && p0 + warp * 32 + lane < kPieces);
+               full, issue && piece);
   }
 }
 
@@ -581,17 +592,12 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   zero_acc(acc);
 
   Slot* ring = reinterpret_cast<Slot*>(smem);
-  // chunk sources advance by one chunk (kChunk steps) here, not by four as in the warp-interleaved kernel
   ChunkSource<MT, KIND> src = chunk_source<MT, KIND>(a, kb, has_tile ? nt : 0, m0, lane);
-  const auto next = [&]() {
-    src.w += kChunk * 128;
-    if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
-  };
   stream_ring<WS>(
       nchunks,
       [&](int slot, int c) {
         copy_wide_chunk(ring[slot], src, a, kb + kChunk * c, end, m0, warp, lane, gsteps, has_tile, c < nchunks);
-        next();
+        advance(src, kChunk);  // all warps on the same chunk
       },
       // every thread's copies of chunk c are visible; every warp is done with chunk c - 1's slot
       [] { __syncthreads(); },
@@ -770,8 +776,7 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const GemmArgs a) {
         const int kt = kChunk * c;
         const bool issue = c < nchunks;
         copy_weight_pieces(ring[slot].w, ring[slot].s, src, a, kt, end, lane, gsteps, issue && warp == 0);
-        src.w += kChunk * 128;
-        if constexpr (KIND == kNvfp4) src.s += kChunk * 64;
+        advance(src, kChunk);
         constexpr int kPieces = kChunk * kWgRows * 2;  // 16-byte pieces: (step, row, k half)
 #pragma unroll
         for (int p = tid; p < kPieces; p += 128) {
@@ -789,15 +794,7 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const GemmArgs a) {
         const Slot& s = ring[slot];
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
-          WTile wt;
-          wt.w = s.w[i][lane];
-          if constexpr (KIND == kNvfp4) {
-            wt.s = nvfp4_scales<A>(reinterpret_cast<const uint2*>(s.s + 4 * i)[g]);
-            wt.z = make_uint2(0u, 0u);
-          } else {
-            wt.s = s.s[8 * i + g];
-            wt.z = KIND == kInt4Asym ? reinterpret_cast<const uint2*>(s.s + 8 * kChunk + 4 * i)[g] : make_uint2(0u, 0u);
-          }
+          const WTile wt = chunk_tile<A, KIND>(s.w, s.s, i, lane);
           // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
           const WTile ww = word_of(wt, warp);
           uint32_t af[4];
@@ -877,13 +874,12 @@ void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   }
 }
 
-template <int MT, int MR, bool BF16, int KIND, bool WIDE>
-int blocks_per_sm() {
+// Blocks of 128 threads of ``kernel`` with ``bytes`` of dynamic shared memory resident per SM (the occupancy API)
+template <class Kernel>
+int resident_blocks(Kernel kernel, int bytes) {
   // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
   // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
   // hint, so a failure is not an error.
-  const auto kernel = WIDE ? w4a16_gemm_wide_kernel<MT, MR, BF16, KIND> : w4a16_gemm_kernel<MT, MR, BF16, KIND>;
-  const int bytes = WIDE ? wide_ring_bytes<MT, MR, KIND>() : ring_bytes<MT, MR, KIND>();
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
     (void)cudaGetLastError();
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
@@ -897,9 +893,19 @@ int blocks_per_sm() {
   return n > 0 ? n : 1;
 }
 
-// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7)
-constexpr int kTilings = 4;
-int tiling(int mt, int mr, bool wide) {
+template <int MT, int MR, bool BF16, int KIND, bool WIDE>
+int blocks_per_sm() {
+  if constexpr (WIDE)
+    return resident_blocks(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, wide_ring_bytes<MT, MR, KIND>());
+  else
+    return resident_blocks(w4a16_gemm_kernel<MT, MR, BF16, KIND>, ring_bytes<MT, MR, KIND>());
+}
+
+// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7), and the
+// wgmma kernel (8)
+constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings;
+int tiling(int mt, int mr, bool wide, bool wgmma = false) {
+  if (wgmma) return kWgmmaTiling;
   return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
 }
 
@@ -914,6 +920,7 @@ int blocks_per_sm_tiling(int t) {
 }
 template <bool BF16, int KIND>
 int blocks_per_sm_any(int t) {
+  if (t == kWgmmaTiling) return resident_blocks(w4a16_wgmma_kernel<BF16, KIND>, wg_ring_bytes<KIND>());
   return t >= kTilings ? blocks_per_sm_tiling<BF16, KIND, true>(t - kTilings)
                        : blocks_per_sm_tiling<BF16, KIND, false>(t);
 }
@@ -928,25 +935,23 @@ void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t strea
   }
 }
 template <bool BF16, int KIND>
-void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (p.wide) launch_gemm_tiling<BF16, KIND, true>(a, p, stream);
-  else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
-}
-
-template <bool BF16, int KIND>
 void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   const dim3 grid(p.mblocks, p.ntiles);
   const auto kernel = w4a16_wgmma_kernel<BF16, KIND>;
   HF_W4_LAUNCH(kernel, grid, 128, wg_ring_bytes<KIND>(), stream)(a);
 }
 
+template <bool BF16, int KIND>
+void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  if (p.wgmma) launch_wgmma<BF16, KIND>(a, p, stream);
+  else if (p.wide) launch_gemm_tiling<BF16, KIND, true>(a, p, stream);
+  else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
+}
+
+
 template <bool BF16>
 void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if (p.wgmma) {
-    if (a.kind == kNvfp4) launch_wgmma<BF16, kNvfp4>(a, p, stream);
-    else if (a.kind == kInt4Asym) launch_wgmma<BF16, kInt4Asym>(a, p, stream);
-    else launch_wgmma<BF16, kInt4Sym>(a, p, stream);
-  } else if (a.kind == kNvfp4) launch_gemm_any<BF16, kNvfp4>(a, p, stream);
+  if (a.kind == kNvfp4) launch_gemm_any<BF16, kNvfp4>(a, p, stream);
   else if (a.kind == kInt4Asym) launch_gemm_any<BF16, kInt4Asym>(a, p, stream);
   else launch_gemm_any<BF16, kInt4Sym>(a, p, stream);
 }
@@ -961,13 +966,13 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
   HF_W4_LAUNCH(kernel, grid, threads, 0, stream)(a, ntiles, w);
 }
 
-// Blocks of the fused kernel for (mt, mr, dtype, kind) resident per SM on the current device (the occupancy API, once;
-// also sets the kernel's shared memory limit).
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide) {
-  static int cache[16][2 * kTilings][2][3] = {};  // device, tiling, bf16, kind
+// Blocks of the fused kernel for (mt, mr, wide, dtype, kind), or of the wgmma kernel, resident per SM on the current
+// device (the occupancy API, once; also sets the kernel's shared memory limit).
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide, bool wgmma = false) {
+  static int cache[16][kWgmmaTiling + 1][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
-  const int t = tiling(mt, mr, wide), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
+  const int t = tiling(mt, mr, wide, wgmma), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
   int& c = cache[dev][t][bf16 ? 1 : 0][ki];
   if (!c) {
     if (bf16) c = kind == kNvfp4 ? blocks_per_sm_any<true, kNvfp4>(t)
@@ -990,18 +995,6 @@ __global__ void wgmma_probe_kernel(int* built) {
 #endif
 }
 #endif
-
-// blocks of the wgmma kernel resident per SM (the occupancy API)
-template <bool BF16, int KIND>
-int wgmma_blocks_per_sm() {
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, w4a16_wgmma_kernel<BF16, KIND>, 128, wg_ring_bytes<KIND>()) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 1;
-  }
-  return n > 0 ? n : 1;
-}
 
 }  // namespace
 
@@ -1041,13 +1034,7 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
     p.mr = 16;
     p.bm = kWgRows;
     p.mblocks = (m + kWgRows - 1) / kWgRows;
-    if (blocks_per_sm)
-      *blocks_per_sm = bf16 ? (kind == kNvfp4 ? wgmma_blocks_per_sm<true, kNvfp4>()
-                                              : (kind == kInt4Asym ? wgmma_blocks_per_sm<true, kInt4Asym>()
-                                                                   : wgmma_blocks_per_sm<true, kInt4Sym>()))
-                            : (kind == kNvfp4 ? wgmma_blocks_per_sm<false, kNvfp4>()
-                                              : (kind == kInt4Asym ? wgmma_blocks_per_sm<false, kInt4Asym>()
-                                                                   : wgmma_blocks_per_sm<false, kInt4Sym>()));
+    if (blocks_per_sm) *blocks_per_sm = w4a16_gemm_blocks_per_sm(0, 0, bf16, kind, false, true);
     return p;
   }
   int t = mt ? mt : plan_mt(m, k);
@@ -1071,7 +1058,8 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
 
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream) {
   if (a.m <= 0 || a.n <= 0) return cudaSuccess;
-  (void)w4a16_gemm_blocks_per_sm(plan.mt, plan.mr, a.bf16, a.kind, plan.wide);  // once per device and kernel: shared memory opt-in
+  // once per device and kernel: shared memory opt-in
+  (void)w4a16_gemm_blocks_per_sm(plan.mt, plan.mr, a.bf16, a.kind, plan.wide, plan.wgmma);
   if (a.bf16) launch_gemm_kind<true>(a, plan, stream);
   else launch_gemm_kind<false>(a, plan, stream);
   return cudaGetLastError();
