@@ -2,8 +2,9 @@
 
 CPU sources (csrc/cpu/*.cpp) are always built into hf_w4._C. Where torch has CUDA and a CUDA toolkit is found, the
 CUDA kernels (csrc/cuda: *.cu device code + one .cpp of torch glue) are built into hf_w4._C_cuda for sm_80 and sm_90a
-(Hopper's wgmma) with sm_90 PTX for newer GPUs (TORCH_CUDA_ARCH_LIST overrides; HF_W4_NO_CUDA=1 skips them). Neither library is a Python
-module: hf_w4/_ext.py loads them with torch.ops.load_library (and JIT-builds csrc/cuda when _C_cuda is missing).
+(Hopper's wgmma) with sm_90 PTX for newer GPUs (TORCH_CUDA_ARCH_LIST overrides; HF_W4_NO_CUDA=1 skips them). Neither
+library is a Python module: hf_w4/_ext.py loads them with torch.ops.load_library (and JIT-builds csrc/cuda when
+_C_cuda is missing).
 """
 import glob
 import os

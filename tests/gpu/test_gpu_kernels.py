@@ -27,6 +27,8 @@ from conftest import capture_cuda_graph  # noqa: E402
 from hf_w4.kernels import cuda_w4a16 as cw  # noqa: E402
 
 MS = (1, 3, 16, 64, 257, 2048)
+SM90 = pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0),
+                          reason="the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
 LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -211,7 +213,8 @@ def test_plan_reports_a_split_covering_k():
     assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
-        mt, mblocks, ntiles, splits, steps, bps, wide, wgmma = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
+        mt, mblocks, ntiles, splits, steps, bps, wide, wgmma = plan
         assert wgmma == 0, "the wgmma kernel is taken only where forced"
         assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
@@ -222,8 +225,7 @@ def test_plan_reports_a_split_covering_k():
         torch.ops.hf_w4.cuda_w4a16_plan(1, 64, 64, "int8", False, True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
+@SM90
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "modelopt_nvfp4"])
 def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
@@ -251,8 +253,24 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
         check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma {name} {dtype} M={m}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
+def test_wgmma_setting_is_checked(monkeypatch):
+    """HF_W4_CUDA_WGMMA takes 1 or 0; 1 where this GPU or build has no wgmma kernel is an error, not a silent fallback
+    (on compute capability 9.0 the JIT build has it and the plan takes it)."""
+    assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "2")
+    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WGMMA='2': expected 1 \(the sm_90a wgmma kernel\) or 0"):
+        torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "0")
+    assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 0
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 1
+    else:
+        with pytest.raises(RuntimeError, match="the wgmma kernel needs a GPU of compute capability 9.0"):
+            torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+
+
+@SM90
 def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch):
     """One-hot rows of x pick single weight columns, so each output row must equal one column of W exactly: row m
     with its 1 at k(m) gives W[:, k(m)]. A wrong descriptor (k order of B) or fragment layout (A / D) shows here as

@@ -32,9 +32,9 @@ def test_nvcc_compiles_sm80_sm90_werror(src, tmp_path):
     # with the defines torch's extension builds pass (no implicit half / bfloat16 operators or conversions); sm_90a
     # holds the wgmma kernel
     cmd = [NVCC, "-std=c++20", "-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode",
-           "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90a,code=sm_90a", "-Werror", "all-warnings", "-D__CUDA_NO_HALF_OPERATORS__",
-           "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-           "--expt-relaxed-constexpr", "-I", CUDA_SRC, "-c",
+           "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90a,code=sm_90a", "-Werror", "all-warnings",
+           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+           "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr", "-I", CUDA_SRC, "-c",
            os.path.join(CUDA_SRC, src), "-o", str(tmp_path / "out.o")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
