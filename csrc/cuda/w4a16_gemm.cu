@@ -304,26 +304,28 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c, int steps) {
   if constexpr (KIND == kNvfp4) c.s += steps * 64;
 }
 
-// The ring both fused kernels stream their chunks through: WS slots, chunk c in slot c % WS, WS - 1 chunks in flight
-// ahead of the one computed, one cp.async commit group per chunk (empty past nchunks). fill(slot, c) issues chunk c's
+// The ring the kernels stream their chunks through: WS slots, chunk c in slot c % WS, WS - LAG chunks in flight ahead
+// of the one computed, one cp.async commit group per chunk (empty past nchunks). fill(slot, c) issues chunk c's
 // copies (none past nchunks) and advances the sources; sync() makes chunk c visible to every thread that reads it and
-// orders the reads of chunk c - 1's slot before that slot is refilled; compute(slot) consumes chunk c.
-template <int WS, class Fill, class Sync, class Compute>
+// orders the reads of chunk c - LAG's slot before that slot is refilled; compute(slot) consumes chunk c. LAG = 2
+// where the reads of a chunk may still be in flight when the next chunk's sync() is reached (the wgmma kernel).
+template <int WS, int LAG = 1, class Fill, class Sync, class Compute>
 __device__ __forceinline__ void stream_ring(int nchunks, Fill&& fill, Sync&& sync, Compute&& compute) {
+  static_assert(LAG >= 1 && WS - LAG >= 2, "a chunk in flight ahead of the one computed");
 #pragma unroll
-  for (int p = 0; p < WS - 1; ++p) {
+  for (int p = 0; p < WS - LAG; ++p) {
     fill(p, p);
     cp_async_commit();
   }
-  int slot = 0, refill = WS - 1;  // chunk c's slot, and the one computed at chunk c - 1
+  int slot = 0, refill = WS - LAG;  // chunk c's slot, and chunk c - LAG's (chunk c + WS - LAG's)
   for (int c = 0; c < nchunks; ++c) {
-    // WS - 1 + c groups committed; all but the newest WS - 2 done means groups 0..c are
-    cp_async_wait<WS - 2>();
+    // WS - LAG + c groups committed; all but the newest WS - LAG - 1 done means groups 0..c are
+    cp_async_wait<WS - LAG - 1>();
     sync();
-    fill(refill, c + WS - 1);
+    fill(refill, c + WS - LAG);
     cp_async_commit();
     compute(slot);
-    refill = slot;
+    refill = LAG == 1 ? slot : (refill + 1 == WS ? 0 : refill + 1);
     slot = slot + 1 == WS ? 0 : slot + 1;
   }
   cp_async_wait<0>();
@@ -659,22 +661,28 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 #endif
 }
 
-// ---- Hopper (sm_90a): wgmma.mma_async with the weights as the A operand, from registers. A warpgroup (the block's 4
-// warps) multiplies one 64-column tile by kWgRows rows of x per k16 step: warp w dequantizes word w of each lane's
-// packed 16 bytes, which is the mma.m16n8k16 A fragment of columns 16 w .. 16 w + 15 (as the MR = 8 path's
-// transposed product) and also wgmma's A layout for rows 16 w .. 16 w + 15 of the 64; B (kWgRows x 16) is the rows of x
-// in shared memory, K-major in 8 x 16-byte core matrices (no swizzle). D holds y^T: 64 columns x kWgRows rows.
-// Taken only where forced (HF_W4_CUDA_WGMMA=1) until a GPU run has measured it; the body exists only in sm_90a code.
-constexpr int kWgRows = 128;
+// ---- Hopper (sm_90a): wgmma.mma_async with the weights as the A operand, from registers. A warpgroup (4 warps)
+// multiplies one 64-column tile by ROWS rows of x per k16 step: warp w dequantizes word w of each lane's packed 16
+// bytes, which is the mma.m16n8k16 A fragment of columns 16 w .. 16 w + 15 (as the MR = 8 path's transposed product)
+// and also wgmma's A layout for rows 16 w .. 16 w + 15 of the 64; B (ROWS x 16) is the rows of x in shared memory,
+// K-major in 8 x 16-byte core matrices (no swizzle). D holds y^T: 64 columns x ROWS rows. A block holds NWG
+// warpgroups on NWG adjacent column tiles that share the staged rows of x: the rows are read from L2 once per NWG
+// tiles, and the 4-bit weights are a quarter of the bytes of the rows they multiply (ROWS = 128: 8 KB of x and 512 B
+// of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold.
+// Taken only where forced (HF_W4_CUDA_WGMMA) until a GPU run has measured it; the body exists only in sm_90a code.
+// chunks in the block's ring: 3 in flight while one is computed and the previous one's last wgmma may still read its
+// slot
+constexpr int kWgSlots = 5;
 
-template <int KIND>
+template <int KIND, int NWG, int ROWS>
 struct WgSlot {
-  uint4 w[kChunk][32];
-  uint4 s[scale_pieces<KIND>()];
-  uint4 x[kChunk][kWgRows / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
+  static_assert(ROWS == 64 || ROWS == 128, "wgmma n = 64 or 128 rows of x");
+  uint4 w[NWG][kChunk][32];
+  uint4 s[NWG][scale_pieces<KIND>()];
+  uint4 x[kChunk][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
 };
-template <int KIND>
-constexpr int wg_ring_bytes() { return 4 * (int)sizeof(WgSlot<KIND>); }
+template <int KIND, int NWG, int ROWS>
+constexpr int wg_ring_bytes() { return kWgSlots * (int)sizeof(WgSlot<KIND, NWG, ROWS>); }
 
 // The wgmma kernel's device helpers, compiled where its body is (sm_90a, and the emulation)
 #if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -699,15 +707,32 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// d (64 x kWgRows, fp32, this thread's 64 values) += A (64 x 16, registers) x B (16 x kWgRows, shared memory at desc),
-// then waits for it: the A registers and d are free again on return
-template <bool BF16>
-__device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+// the accumulator operands of one wgmma: "+f" of d[i] for 8 consecutive i
+#define HF_W4_D8(i)                                                                                               \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+
+// Issues d (64 x N, fp32, this thread's N / 2 values) += A (64 x 16, registers) x B (16 x N, shared memory at desc)
+// as a commit group of its own, N = 64 or 128. Until wgmma_wait has completed it, d must not be touched and A's
+// registers and B's shared memory must keep their contents (wgmmas on the same d may be issued meanwhile: they run in
+// order).
+template <bool BF16, int N>
+__device__ __forceinline__ void wgmma_issue(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
 #if defined(HF_W4_CUDA_EMULATE)
-  hf_w4_emu::wgmma_m64k16<BF16>(d, a, desc, kWgRows);
+  hf_w4_emu::wgmma_m64k16_async<BF16>(d, a, desc, N);
+  hf_w4_emu::wgmma_commit();
 #else
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#define HF_W4_WGMMA_M64N128K16(TYPE)                                                                            \
+#define HF_W4_WGMMA_N64(TYPE)                                                                                   \
+  asm volatile(                                                                                                 \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                                            \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                          \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                          \
+      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24)                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#define HF_W4_WGMMA_N128(TYPE)                                                                                  \
   asm volatile(                                                                                                 \
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                                            \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                                         \
@@ -716,27 +741,45 @@ __device__ __forceinline__ void wgmma_step(float (&d)[64], const uint32_t (&a)[4
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
       "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                          \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),        \
+        HF_W4_D8(56)                                                                                            \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-  if constexpr (BF16) HF_W4_WGMMA_M64N128K16("bf16");
-  else HF_W4_WGMMA_M64N128K16("f16");
-#undef HF_W4_WGMMA_M64N128K16
+  if constexpr (N == 64) {
+    if constexpr (BF16) HF_W4_WGMMA_N64("bf16");
+    else HF_W4_WGMMA_N64("f16");
+  } else {
+    if constexpr (BF16) HF_W4_WGMMA_N128("bf16");
+    else HF_W4_WGMMA_N128("f16");
+  }
+#undef HF_W4_WGMMA_N64
+#undef HF_W4_WGMMA_N128
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  // keep the compiler from reusing A's registers or reading d before the wait
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[i]) : "memory");
 #endif
 }
+
+// Waits until at most PENDING of this thread's wgmma groups are in flight; d may be read after PENDING = 0
+template <int PENDING, int N>
+__device__ __forceinline__ void wgmma_wait(float (&d)[N / 2]) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::wgmma_wait(PENDING);
+#else
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+  // keep the compiler from moving reads of d before the wait
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// The A registers of a wgmma stay allocated (not reused) up to here: after the wait that completed it
+__device__ __forceinline__ void keep_until_here(const uint32_t (&a)[4]) {
+#if !defined(HF_W4_CUDA_EMULATE)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[i]) : "memory");
+#else
+  (void)a;
+#endif
+}
+#undef HF_W4_D8
 
 // A lane's tile reduced to word j (weights, scales, zero points of sub-tiles 2 j, 2 j + 1) as sub-tiles 0 and 1, so
 // that dequant_sub indexes with constants (a warp-dependent j would put the tile in local memory)
@@ -750,40 +793,52 @@ __device__ __forceinline__ WTile word_of(const WTile& t, int j) {
 }
 #endif
 
-// Block: one warpgroup, 64 columns (tile blockIdx.y) x kWgRows rows (block blockIdx.x) over all of K, chunks of kChunk
-// steps through a block-wide ring of 4 slots: warp 0 copies the weights and scales (copy_weight_pieces), all threads
-// the rows of x, rows past M zero-filled.
-template <bool BF16, int KIND>
-__global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const GemmArgs a) {
+// Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
+// blockIdx.x) over all of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warp 0 of each
+// warpgroup copies its tile's weights and scales (copy_weight_pieces), all threads the shared rows of x, rows past M
+// zero-filled. Each step's wgmma runs while the next step is dequantized (two A register sets, wait_group 1), so a
+// chunk's last wgmma may still read its slot at the next chunk's barrier: the ring refills the slot of the chunk
+// before (stream_ring's LAG = 2).
+template <bool BF16, int KIND, int NWG, int ROWS>
+__global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles) {
 #if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using A = DevAct<BF16>;
-  using Slot = WgSlot<KIND>;
+  using Slot = WgSlot<KIND, NWG, ROWS>;
   extern __shared__ uint4 smem[];
-  const int nt = blockIdx.y, m0 = blockIdx.x * kWgRows;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // (NWG = 1: constants, not a register each)
+  const int tid = threadIdx.x, wg = NWG == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int nt = NWG * blockIdx.y + wg, m0 = blockIdx.x * ROWS;
+  // A warpgroup past the last tile multiplies the last one again and stores nothing: no branch around the wgmma
+  // (ptxas serializes the wgmma pipeline where it sits in a path it cannot prove uniform)
+  const bool has_tile = NWG == 1 || nt < ntiles;
   const int g = lane >> 2, t = lane & 3;
   const int gsteps = a.group_size >> 4, end = a.k / 16;
   const int nchunks = (end + kChunk - 1) / kChunk;
   Slot* ring = reinterpret_cast<Slot*>(smem);
-  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, 0, nt, 0, lane);
+  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, 0, has_tile ? nt : ntiles - 1, 0, lane);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  float acc[64];
+  float acc[ROWS / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  stream_ring<4>(
+  for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
+  uint32_t af[kChunk][4] = {};  // A of each step of a chunk: step i's wgmma runs while step i + 1 is dequantized
+  stream_ring<kWgSlots, 2>(
       nchunks,
       [&](int slot, int c) {
         const int kt = kChunk * c;
         const bool issue = c < nchunks;
-        copy_weight_pieces(ring[slot].w, ring[slot].s, src, a, kt, end, lane, gsteps, issue && warp == 0);
+        copy_weight_pieces(ring[slot].w[wg], ring[slot].s[wg], src, a, kt, end, lane, gsteps, issue && warp == 0);
         advance(src, kChunk);
-        constexpr int kPieces = kChunk * kWgRows * 2;  // 16-byte pieces: (step, row, k half)
+        // 16-byte pieces (step, row, k half), a fixed number per thread: unrolled and predicated, one basic block
+        // (a loop to p < kPieces from tid compiles to a remainder loop and twice the instructions per chunk)
+        constexpr int kPieces = kChunk * ROWS * 2;
 #pragma unroll
-        for (int p = tid; p < kPieces; p += 128) {
-          const int step = p / (2 * kWgRows), row = (p >> 1) % kWgRows, half = p & 1;
+        for (int p0 = 0; p0 < kPieces; p0 += 128 * NWG) {
+          const bool piece = kPieces % (128 * NWG) == 0 || p0 + tid < kPieces;  // threads past the pieces: none
+          const int p = piece ? p0 + tid : 0;
+          const int step = p / (2 * ROWS), row = (p >> 1) % ROWS, half = p & 1;
           const bool full = m0 + row < a.m && kt + step < end;
           cp_async16(&ring[slot].x[step][row >> 3][half][row & 7],
-                     full ? x + (size_t)(m0 + row) * a.k + (kt + step) * 16 + half * 8 : x, full, issue);
+                     full ? x + (size_t)(m0 + row) * a.k + (kt + step) * 16 + half * 8 : x, full, issue && piece);
         }
       },
       [] {
@@ -794,18 +849,22 @@ __global__ void __launch_bounds__(128) w4a16_wgmma_kernel(const GemmArgs a) {
         const Slot& s = ring[slot];
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
-          const WTile wt = chunk_tile<A, KIND>(s.w, s.s, i, lane);
+          const WTile wt = chunk_tile<A, KIND>(s.w[wg], s.s[wg], i, lane);
           // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
           const WTile ww = word_of(wt, warp);
-          uint32_t af[4];
-          dequant_sub<A, KIND>(ww, 0, af[0], af[2]);
-          dequant_sub<A, KIND>(ww, 1, af[1], af[3]);
-          wgmma_step<BF16>(acc, af, wg_desc(&s.x[i][0][0][0]));
+          dequant_sub<A, KIND>(ww, 0, af[i][0], af[i][2]);
+          dequant_sub<A, KIND>(ww, 1, af[i][1], af[i][3]);
+          wgmma_issue<BF16, ROWS>(acc, af[i], wg_desc(&s.x[i][0][0][0]));
+          // the previous step's wgmma (at i = 0 the previous chunk's last) is done: its A registers and slot are free
+          wgmma_wait<1, ROWS>(acc);
+          keep_until_here(af[(i + kChunk - 1) % kChunk]);
         }
       });
+  wgmma_wait<0, ROWS>(acc);
+  if (!has_tile) return;
   // acc[4 j + r]: column nt 64 + 16 warp + g + 8 (r >> 1), row m0 + 8 j + 2 t + (r & 1)
 #pragma unroll
-  for (int j = 0; j < kWgRows / 8; ++j)
+  for (int j = 0; j < ROWS / 8; ++j)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = m0 + 8 * j + 2 * t + (r & 1), col = nt * 64 + 16 * warp + g + 8 * (r >> 1);
@@ -874,9 +933,10 @@ void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   }
 }
 
-// Blocks of 128 threads of ``kernel`` with ``bytes`` of dynamic shared memory resident per SM (the occupancy API)
+// Blocks of ``threads`` threads of ``kernel`` with ``bytes`` of dynamic shared memory resident per SM (the occupancy
+// API)
 template <class Kernel>
-int resident_blocks(Kernel kernel, int bytes) {
+int resident_blocks(Kernel kernel, int bytes, int threads = 128) {
   // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
   // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
   // hint, so a failure is not an error.
@@ -886,7 +946,7 @@ int resident_blocks(Kernel kernel, int bytes) {
       cudaSuccess)
     (void)cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 128, bytes) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, bytes) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; plan with one block per SM
     n = 1;
   }
@@ -902,10 +962,10 @@ int blocks_per_sm() {
 }
 
 // the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7), and the
-// wgmma kernel (8)
-constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings;
-int tiling(int mt, int mr, bool wide, bool wgmma = false) {
-  if (wgmma) return kWgmmaTiling;
+// wgmma kernel's (8-13: 1, 2 or 4 warpgroups x 64 or 128 rows; its plans have mt = rows / 16)
+constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 6;
+int tiling(int mt, int mr, bool wide, int wgmma = 0) {
+  if (wgmma) return kWgmmaTiling + 2 * (wgmma == 4 ? 2 : wgmma - 1) + (mt == 4 ? 0 : 1);
   return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
 }
 
@@ -918,9 +978,30 @@ int blocks_per_sm_tiling(int t) {
     default: return blocks_per_sm<4, 16, BF16, KIND, WIDE>();
   }
 }
+// f(Int<NWG>{}, Int<ROWS>{}) for wgmma tiling t
+template <int V>
+struct Int {
+  static constexpr int value = V;
+};
+template <class F>
+auto with_wgmma_tiling(int t, F&& f) {
+  switch (t - kWgmmaTiling) {
+    case 0: return f(Int<1>{}, Int<64>{});
+    case 1: return f(Int<1>{}, Int<128>{});
+    case 2: return f(Int<2>{}, Int<64>{});
+    case 3: return f(Int<2>{}, Int<128>{});
+    case 4: return f(Int<4>{}, Int<64>{});
+    default: return f(Int<4>{}, Int<128>{});
+  }
+}
+
 template <bool BF16, int KIND>
 int blocks_per_sm_any(int t) {
-  if (t == kWgmmaTiling) return resident_blocks(w4a16_wgmma_kernel<BF16, KIND>, wg_ring_bytes<KIND>());
+  if (t >= kWgmmaTiling)
+    return with_wgmma_tiling(t, [](auto nwg, auto rows) {
+      constexpr int NWG = decltype(nwg)::value, ROWS = decltype(rows)::value;
+      return resident_blocks(w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>, wg_ring_bytes<KIND, NWG, ROWS>(), 128 * NWG);
+    });
   return t >= kTilings ? blocks_per_sm_tiling<BF16, KIND, true>(t - kTilings)
                        : blocks_per_sm_tiling<BF16, KIND, false>(t);
 }
@@ -936,9 +1017,13 @@ void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t strea
 }
 template <bool BF16, int KIND>
 void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  const dim3 grid(p.mblocks, p.ntiles);
-  const auto kernel = w4a16_wgmma_kernel<BF16, KIND>;
-  HF_W4_LAUNCH(kernel, grid, 128, wg_ring_bytes<KIND>(), stream)(a);
+  with_wgmma_tiling(tiling(p.mt, p.mr, false, p.wgmma), [&](auto nwg, auto rows) {
+    constexpr int NWG = decltype(nwg)::value, ROWS = decltype(rows)::value;
+    const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG);
+    const auto kernel = w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>;
+    const int bytes = wg_ring_bytes<KIND, NWG, ROWS>();
+    HF_W4_LAUNCH(kernel, grid, 128 * NWG, bytes, stream)(a, p.ntiles);
+  });
 }
 
 template <bool BF16, int KIND>
@@ -968,8 +1053,8 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
 
 // Blocks of the fused kernel for (mt, mr, wide, dtype, kind), or of the wgmma kernel, resident per SM on the current
 // device (the occupancy API, once; also sets the kernel's shared memory limit).
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide, bool wgmma = false) {
-  static int cache[16][kWgmmaTiling + 1][2][3] = {};  // device, tiling, bf16, kind
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide, int wgmma = 0) {
+  static int cache[16][kAllTilings][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
   const int t = tiling(mt, mr, wide, wgmma), ki = kind == kNvfp4 ? 2 : (kind == kInt4Asym ? 1 : 0);
@@ -1026,15 +1111,16 @@ bool w4a16_wgmma_available() {
 }
 
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits, bool wgmma) {
-  if (wgmma) {  // 128 rows x one column tile per block, K whole
+                         int splits, int wgmma) {
+  if (wgmma) {  // wgmma warpgroups x 64 columns, 64 rows up to M = 64 (no half-empty blocks), else 128; K whole
+    const int rows = m <= 64 ? 64 : 128;
     GemmPlan p = plan_gemm(m, npad, k, sms, 1, false, 1);
-    p.wgmma = true;
-    p.mt = kWgRows / 16;
+    p.wgmma = wgmma;
+    p.mt = rows / 16;
     p.mr = 16;
-    p.bm = kWgRows;
-    p.mblocks = (m + kWgRows - 1) / kWgRows;
-    if (blocks_per_sm) *blocks_per_sm = w4a16_gemm_blocks_per_sm(0, 0, bf16, kind, false, true);
+    p.bm = rows;
+    p.mblocks = (m + rows - 1) / rows;
+    if (blocks_per_sm) *blocks_per_sm = w4a16_gemm_blocks_per_sm(p.mt, p.mr, bf16, kind, false, wgmma);
     return p;
   }
   int t = mt ? mt : plan_mt(m, k);

@@ -31,10 +31,11 @@ struct GemmArgs {
 // (mt = 1, 2, 4) or by the rule (mt = 0: plan_mt, two tiles at 9-16 rows where one wave of them holds every column
 // tile), the wide kernel forced on or off (wide = 1, 0) or by the rule (-1: at 9-64 rows of layers of at least three
 // waves of column tiles, where it then takes the tiling), split-K for the resident blocks per SM the occupancy API
-// gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma: the sm_90a wgmma
-// kernel instead (only where w4a16_wgmma_available()): blocks of 128 rows x one column tile over all of K.
+// gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma = 1, 2 or 4: the
+// sm_90a wgmma kernel instead (only where w4a16_wgmma_available()), blocks of that many warpgroups, each on one column
+// tile, x 64 rows (M <= 64) or 128, over all of K.
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits = 0, bool wgmma = false);
+                         int splits = 0, int wgmma = 0);
 
 // Whether the wgmma kernel runs on the current device (compute capability 9.0 and the library built for sm_90a);
 // the first call per device launches a probe and waits for it.

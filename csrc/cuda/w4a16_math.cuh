@@ -168,7 +168,7 @@ HF_W4_HD int plan_rows(int m, int mt) { return mt == 1 && m <= 8 ? 8 : 16; }
 struct GemmPlan {
   int mt, mr, bm, mblocks, ntiles, splits, steps_per_split;
   bool wide;  // the wide kernel: blocks of 4 column tiles
-  bool wgmma;  // the sm_90a wgmma kernel: blocks of 128 rows x one column tile, K not split
+  int wgmma;  // the sm_90a wgmma kernel's warpgroups per block (0: a fused mma.sync kernel); K not split
   int64_t ws_floats;
   int counters;
 };
@@ -180,7 +180,7 @@ inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wi
   p.mt = mt ? mt : plan_mt(m, k);
   p.mr = plan_rows(m, p.mt);
   p.wide = wide;
-  p.wgmma = false;
+  p.wgmma = 0;
   p.bm = 16 * p.mt;
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;

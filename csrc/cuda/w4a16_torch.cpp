@@ -115,14 +115,14 @@ int splits_override() {
   return plan_setting("HF_W4_CUDA_SPLITS", 0, [](int v) { return v > 0; }, "a positive number of K splits");
 }
 
-// HF_W4_CUDA_WGMMA=1: the sm_90a wgmma kernel (blocks of 128 rows) for every M, where this GPU and build have it;
-// not taken otherwise until a GPU run has measured it
-bool wgmma_forced() {
-  const bool on = plan_setting("HF_W4_CUDA_WGMMA", 0, [](int v) { return v == 0 || v == 1; },
-                               "1 (the sm_90a wgmma kernel) or 0 (not)") == 1;
-  TORCH_CHECK(!on || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=1: the wgmma kernel needs a GPU of compute "
+// HF_W4_CUDA_WGMMA=n (1, 2 or 4): the sm_90a wgmma kernel with blocks of n warpgroups (64 columns each) for every M,
+// where this GPU and build have it; 0 or unset: not (no rule takes it until a GPU run has measured it)
+int wgmma_forced() {
+  const int n = plan_setting("HF_W4_CUDA_WGMMA", 0, [](int v) { return v == 0 || v == 1 || v == 2 || v == 4; },
+                             "1, 2 or 4 (the sm_90a wgmma kernel, warpgroups per block) or 0 (not)");
+  TORCH_CHECK(!n || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=", n, ": the wgmma kernel needs a GPU of compute "
               "capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
-  return on;
+  return n;
 }
 
 // the fused kernel's work split for this call on ``device``
@@ -242,7 +242,7 @@ std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weig
   const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
   int bps = 0;
   const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
-  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0, p.wgmma ? 1 : 0};
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0, p.wgmma};
 }
 
 }  // namespace

@@ -139,29 +139,34 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
-WGMMA_MS = (64, 256, 1024, 2048)  # the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA=1), against the main table's bf16 paths
+# the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA = warpgroups per block), against the main table's bf16 paths
+WGMMA_MS = (64, 256, 1024, 2048)
+WGMMA_GROUPS = (1, 2, 4)
 
 
 def _wgmma_lines(record: dict) -> list:
-    """The wgmma kernel (int4 bf16, forced) at WGMMA_MS on every shape, where this GPU and build have it: microseconds
-    and, in brackets, the time of dense bf16 and of dequantize + cuBLAS (the path it would replace; both from the main
-    table) / its own; also into ``record``. Run last: a kernel that faults must not cost the other results."""
+    """The wgmma kernel (int4 bf16, forced) with 1, 2 and 4 warpgroups per block at WGMMA_MS on every shape, where
+    this GPU and build have it: microseconds and, in brackets, the time of dense bf16 and of the path the library takes
+    now (the fused kernel up to M = 127, else dequantize + cuBLAS; both from the main table) / its own; also into
+    ``record``. Run last: a kernel that faults must not cost the other results."""
     if not _honoured("HF_W4_CUDA_WGMMA", 1, 7):
         return ["wgmma kernel: not available here (needs compute capability 9.0 and an sm_90a build)"]
+    groups = [g for g in WGMMA_GROUPS if _honoured("HF_W4_CUDA_WGMMA", g, 7)]  # a baseline tree may have 1 only
     lines = []
     for n, k in SHAPES:
         cq = max(2, -(-4 * L2_BYTES // (n * k // 2)))
         i4 = packed(n, k, "int4", cq)
-        cells = []
-        for m in WGMMA_MS:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            us = _fused_us({"HF_W4_CUDA_WGMMA": "1"}, x, i4, n, cq, 20 if m <= 64 else 5)
-            main = record["times"].get(f"{n}x{k} M={m}", {})
-            cells.append(f"M={m} {us:7.1f}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 deq'] / us:.2f}x)"
-                                                if "bf16" in main and "i4 deq" in main else ""))
-            record["tilings"][f"{n}x{k} M={m} wgmma"] = us
-        lines.append(f"{f'{n}x{k}':>12} | " + " | ".join(cells))
-        i4 = None
+        xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in WGMMA_MS}
+        for g in groups:
+            cells = []
+            for m in WGMMA_MS:
+                us = _fused_us({"HF_W4_CUDA_WGMMA": str(g)}, xs[m], i4, n, cq, 20 if m <= 64 else 5)
+                main = record["times"].get(f"{n}x{k} M={m}", {})
+                cells.append(f"M={m} {us:7.1f}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 bf16'] / us:.2f}x)"
+                                                    if "bf16" in main and "i4 bf16" in main else ""))
+                record["tilings"][f"{n}x{k} M={m} wgmma={g}"] = us
+            lines.append(f"{f'{n}x{k}':>12} wg={g} | " + " | ".join(cells))
+        i4 = xs = None
         torch.cuda.empty_cache()
     return lines
 
@@ -323,8 +328,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("wgmma kernel (HF_W4_CUDA_WGMMA=1), int4 bf16, microseconds per call (dense bf16 / it, dequantize + cuBLAS "
-          "/ it):", flush=True)
+    print("wgmma kernel (HF_W4_CUDA_WGMMA = wg warpgroups per block), int4 bf16, microseconds per call (dense bf16 / "
+          "it, the library's path now / it):", flush=True)
     for line in _wgmma_lines(record):
         print(line, flush=True)
     if a.json:

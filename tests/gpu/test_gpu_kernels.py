@@ -226,56 +226,61 @@ def test_plan_reports_a_split_covering_k():
 
 
 @SM90
+@pytest.mark.parametrize("warpgroups", [1, 2, 4], ids=["wg1", "wg2", "wg4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "modelopt_nvfp4"])
-def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
-    """HF_W4_CUDA_WGMMA=1 on an H100 / H200 (the library is built for sm_90a there): blocks of 128 rows x 64 columns
-    over all of K, every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
+def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups):
+    """HF_W4_CUDA_WGMMA=1, 2, 4 on an H100 / H200 (the library is built for sm_90a there): blocks of that many
+    warpgroups x 64 columns (N = 136: 3 column tiles, so a block of 2 or 4 has a warpgroup past the last), 64 rows up
+    to M = 64, else 128, over all of K; every weight kind, a bias, partial and several m-blocks, a short last chunk
+    (K = 592)."""
     case = next(c for c in LAYOUTS if c[0] == name)
     _, layout, sym, ao, zp1 = case
     gs = 16 if "nvfp4" in layout else -1
-    spec, qw = make_qweight(layout, 200, 592, gs, sym, ao, zp1, seed=21, device="cuda")
+    spec, qw = make_qweight(layout, 136, 592, gs, sym, ao, zp1, seed=21, device="cuda")
     kern, layer = _layer(spec, qw)
     b = layer._buffers
     nv = qw.weight_type == "nvfp4"
     w = kernel_dtype_weight(qw, dtype, global_scale=not nv)
     g = kern.global_scale if nv else 1.0
-    bias = (torch.randn(200, device="cuda") * 0.1).to(dtype)
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    bias = (torch.randn(136, device="cuda") * 0.1).to(dtype)
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", str(warpgroups))
     for m in (1, 64, 257, 2048):
-        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 200, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
+        plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 136, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
                                                dtype == torch.bfloat16)
-        assert plan[7] == 1 and plan[1] == -(-m // 128) and plan[3] == 1, plan
+        rows = 64 if m <= 64 else 128
+        assert plan[7] == warpgroups and plan[1] == -(-m // rows) and plan[3] == 1, plan
         x = torch.randn(m, 592, device="cuda").to(dtype)
         xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
         y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"], bias,
-                                            200, kern.group_size, kern.weight_type, kern.global_scale)
-        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma {name} {dtype} M={m}")
+                                            136, kern.group_size, kern.weight_type, kern.global_scale)
+        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma={warpgroups} {name} {dtype} M={m}")
 
 
 def test_wgmma_setting_is_checked(monkeypatch):
-    """HF_W4_CUDA_WGMMA takes 1 or 0; 1 where this GPU or build has no wgmma kernel is an error, not a silent fallback
-    (on compute capability 9.0 the JIT build has it and the plan takes it)."""
+    """HF_W4_CUDA_WGMMA takes 1, 2, 4 or 0; a warpgroup count where this GPU or build has no wgmma kernel is an error,
+    not a silent fallback (on compute capability 9.0 the JIT build has it and the plan takes it)."""
     assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "2")
-    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WGMMA='2': expected 1 \(the sm_90a wgmma kernel\) or 0"):
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "3")
+    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WGMMA='3': expected 1, 2 or 4 \(the sm_90a wgmma kernel"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", "0")
     assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 0
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "2")
     if torch.cuda.get_device_capability() == (9, 0):
-        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 1
+        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 2
     else:
         with pytest.raises(RuntimeError, match="the wgmma kernel needs a GPU of compute capability 9.0"):
             torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
 
 
 @SM90
-def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch):
+@pytest.mark.parametrize("m", [64, 128])
+def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch, m):
     """One-hot rows of x pick single weight columns, so each output row must equal one column of W exactly: row m
     with its 1 at k(m) gives W[:, k(m)]. A wrong descriptor (k order of B) or fragment layout (A / D) shows here as
-    the k or the columns found instead, which says which of them is off."""
-    n, k, m = 64, 128, 128
+    the k or the columns found instead, which says which of them is off. M = 64 and 128: the n64 and n128 wgmma."""
+    n, k = 64, 128
     spec, qw = make_qweight("gptq", n, k, -1, True, False, False, seed=5, device="cuda")
     kern, layer = _layer(spec, qw)
     b = layer._buffers

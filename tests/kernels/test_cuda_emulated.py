@@ -66,16 +66,17 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=False):
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=0):
         """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
-        splits forced (0: the plan's); wgmma: the sm_90a wgmma kernel instead."""
+        splits forced (0: the plan's); wgmma = 1, 2, 4: the sm_90a wgmma kernel instead, with that many warpgroups
+        per block."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
         nsplits = ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
                                 int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
-                                -1 if wide is None else int(wide), splits, int(wgmma),
+                                -1 if wide is None else int(wide), splits, wgmma,
                                 ctypes.byref(nsplits))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
         return y, nsplits.value
@@ -148,18 +149,21 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
                             f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2, 4], ids=["wg1", "wg2", "wg4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
-def test_wgmma_kernel_emulated(emu, name, dtype):
-    """The sm_90a wgmma kernel (forced; blocks of 128 rows x 64 columns, K whole): every weight kind, both dtypes, a
-    bias, a full and a partial block of rows and several m-blocks, K with a short last chunk (37 k16 steps)."""
+def test_wgmma_kernel_emulated(emu, name, dtype, warpgroups):
+    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64 rows up to M = 64, else 128; K
+    whole): every weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column
+    tiles (a block of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16
+    steps)."""
     n, k = 136, 592
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
-    for m in (1, 128, 150):
+    for m in (1, 64, 128, 150):
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, splits = layer.gemm(emu, x, dtype, bias, wgmma=True)
+        y, splits = layer.gemm(emu, x, dtype, bias, wgmma=warpgroups)
         assert splits == 1
-        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma M={m}")
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma={warpgroups} M={m}")
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])

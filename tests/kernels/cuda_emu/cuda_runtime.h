@@ -7,8 +7,9 @@
 // only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads /
 // __syncwarp wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a
 // barrier that can never complete aborts with a message. mma.sync m16n8k16 and __shfl_sync are warp collectives:
-// the lanes deposit their registers, meet, and each computes its own result from the warp's. cp.async copies land at
-// the issuing thread's cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds
+// the lanes deposit their registers, meet, and each computes its own result from the warp's; wgmma is a warpgroup
+// collective that runs at the wait for it, as late as the GPU may run it. cp.async copies land at the issuing thread's
+// cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds
 // once to nearest even from the exact fp32 result, as the device does for these operands; the mma sums its 16
 // products in fp32 in k order (the hardware's order is not specified, which the tests' error budgets allow for). Not
 // modelled: timing, memory ordering between blocks (blocks do not run concurrently here), hardware-specific handling
@@ -77,20 +78,39 @@ struct Copy {  // one cp.async: 16 bytes from src, or zeros where src is null
   const void* src;
 };
 
+struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmma
+  uint32_t a[128][4];
+  uint64_t desc[128];
+};
+
+// An issued wgmma of a warpgroup: its A fragments as issued and the shared memory its B occupies, until all 128
+// threads have run their share
+struct IssuedWgmma {
+  WarpgroupSlots a;
+  uint32_t begin, end;  // B's bytes in shared memory
+  int left = 128;
+};
+// One thread's share of an issued wgmma: B is read from shared memory and d written when the thread waits for it
+struct PendingWgmma {
+  float* d;
+  size_t values;
+  bool bf16;
+  uint64_t desc;
+  std::shared_ptr<IssuedWgmma> op;
+};
+
 struct Fiber {
   ucontext_t ctx;
   bool done = false;
   std::vector<Copy> open;                  // cp.async since the last commit
   std::vector<std::vector<Copy>> groups;   // committed groups, oldest first, not yet waited for
+  std::vector<PendingWgmma> wg_open;                 // wgmma since the last wgmma commit
+  std::vector<std::vector<PendingWgmma>> wg_groups;  // committed wgmma groups, oldest first
 };
 
 struct WarpSlots {  // what the lanes of a warp deposit for a collective
   uint32_t a[32][4], b[32][2];
   uint32_t v[32];
-};
-struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmma
-  uint32_t a[128][4];
-  uint64_t desc[128];
 };
 
 struct BlockState {
@@ -103,11 +123,15 @@ struct BlockState {
   uint64_t block_gen = 0;
   int block_or = 0;
   std::map<uint64_t, int> block_or_result;
-  // warp barriers
+  // warp and warpgroup barriers
   int warp_arrived[32] = {}, warp_exited[32] = {};
   uint64_t warp_gen[32] = {};
   WarpSlots warp[32];
-  WarpgroupSlots warpgroup;
+  int wg_arrived[8] = {}, wg_exited[8] = {};
+  uint64_t wg_gen[8] = {};
+  WarpgroupSlots warpgroup[8];
+  std::shared_ptr<IssuedWgmma> wg_issued[8];          // the warpgroup's newest wgmma, for its threads to take
+  std::vector<std::shared_ptr<IssuedWgmma>> wg_reads;  // wgmma not yet run by every thread: no copies into their B
   std::function<void()> body;
 };
 
@@ -139,16 +163,30 @@ inline void release_warp(BlockState* b, int w) {
     ++b->warp_gen[w];
   }
 }
+inline void release_warpgroup(BlockState* b, int w) {
+  if (b->wg_arrived[w] > 0 && b->wg_arrived[w] + b->wg_exited[w] == std::min(128, b->threads - 128 * w)) {
+    b->wg_arrived[w] = 0;
+    ++b->wg_gen[w];
+  }
+}
 
 inline void fiber_main() {
   BlockState* b = block();
   b->body();
+  const Fiber& f = b->fibers[b->current];
+  if (!f.wg_open.empty() || !f.wg_groups.empty()) {
+    std::fprintf(stderr, "hf_w4 CUDA emulation: thread %d exited with wgmma in flight (no wgmma.wait_group 0)\n",
+                 tid());
+    std::abort();
+  }
   b->fibers[b->current].done = true;
   ++b->exited;
   ++b->warp_exited[tid() / 32];
+  ++b->wg_exited[tid() / 128];
   ++b->events;
   release_block(b);
   release_warp(b, tid() / 32);
+  release_warpgroup(b, tid() / 128);
   swapcontext(&b->fibers[b->current].ctx, &b->scheduler);  // never resumed
 }
 
@@ -171,6 +209,16 @@ inline void warp_barrier() {
   ++b->events;
   release_warp(b, w);
   while (b->warp_gen[w] == gen) yield();
+  ++b->events;
+}
+inline void warpgroup_barrier() {
+  BlockState* b = block();
+  const int w = tid() / 128;
+  const uint64_t gen = b->wg_gen[w];
+  ++b->wg_arrived[w];
+  ++b->events;
+  release_warpgroup(b, w);
+  while (b->wg_gen[w] == gen) yield();
   ++b->events;
 }
 
@@ -245,7 +293,15 @@ inline uint4 ld_stream(const int32_t* p) {
 }
 // cp.async lands when the issuing thread waits for its group (shared memory holds the old bytes until then, so a
 // read before the wait, or by another thread before the barrier after it, sees stale data, as it may on the GPU)
+inline uint32_t smem_offset(const void* p);
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
+  const uint32_t at = smem_offset(smem);
+  for (const auto& r : block()->wg_reads)
+    if (at < r->end && at + 16 > r->begin) {
+      std::fprintf(stderr, "hf_w4 CUDA emulation: cp.async into shared memory bytes %u.. that an issued wgmma may "
+                   "still read (%u..%u): wait for it first\n", at, r->begin, r->end);
+      std::abort();
+    }
   block()->fibers[block()->current].open.push_back(Copy{smem, full ? gmem : nullptr});
 }
 inline void cp_async_commit() {
@@ -412,22 +468,25 @@ inline uint32_t smem_offset(const void* p) {
 }
 
 // wgmma.mma_async.m64nNk16 (.f32 accumulators, .f16 / .bf16 operands) with A from registers and B from shared memory,
-// completed at once (as if waited for), over a block of one warpgroup: A's fragments per warp as mma.m16n8k16's
-// (warp w: rows 16 w ..), B K-major without swizzle through the descriptor (start address, K-direction core-matrix
-// offset, 8-row-group offset, each >> 4; anything else aborts), D as 16 x N per warp: value i at row 16 w + g +
-// 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1).
+// as a collective of the calling thread's warpgroup (blocks of whole warpgroups): A's fragments per warp as
+// mma.m16n8k16's (warp w of the warpgroup: rows 16 w ..), B K-major without swizzle through the descriptor (start
+// address, K-direction core-matrix offset, 8-row-group offset, each >> 4; anything else aborts), D as 16 x N per warp:
+// value i at row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1). Asynchronous as on the GPU, and as
+// late as it may be: each thread's share runs at the wgmma.wait_group that completes it, reading B from shared memory
+// then and writing d then (a kernel that reads d too early gets wrong results here); a cp.async into B's bytes
+// before every thread of the warpgroup has waited for it aborts.
 template <bool BF16, size_t V>
-void wgmma_m64k16(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
+void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
   BlockState* bs = block();
-  const int me = tid();
-  if (bs->threads != 128 || (size_t)n != 2 * V || n % 8 || n > 256) {
-    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma needs a block of one warpgroup and N = 2 x its values\n");
+  const int me = tid() % 128;
+  if (bs->threads % 128 || (size_t)n != 2 * V || n % 8 || n > 256) {
+    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma needs a block of whole warpgroups and N = 2 x its values\n");
     std::abort();
   }
-  WarpgroupSlots& wg = bs->warpgroup;
+  WarpgroupSlots& wg = bs->warpgroup[tid() / 128];
   for (int i = 0; i < 4; ++i) wg.a[me][i] = a[i];
   wg.desc[me] = desc;
-  block_barrier();
+  warpgroup_barrier();
   const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4,
                  sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
   bool same = true;
@@ -438,29 +497,60 @@ void wgmma_m64k16(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
                  "swizzle, base offset 0, inside shared memory)\n", (unsigned long long)desc);
     std::abort();
   }
-  auto half = [](uint32_t v, int h) {
+  if (me == 0) {
+    auto op = std::make_shared<IssuedWgmma>();
+    op->a = wg;
+    op->begin = start;
+    op->end = start + (uint32_t)(n / 8 - 1) * sbo + lbo + 128;
+    bs->wg_issued[tid() / 128] = op;
+    bs->wg_reads.push_back(op);
+  }
+  warpgroup_barrier();  // the record exists; every thread has taken the deposits
+  bs->fibers[bs->current].wg_open.push_back(PendingWgmma{d, V, BF16, desc, bs->wg_issued[tid() / 128]});
+}
+
+inline void run_wgmma(const PendingWgmma& op) {
+  const uint64_t desc = op.desc;
+  const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4,
+                 sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+  auto half = [&](uint32_t v, int h) {
     const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
-    return BF16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
+    return op.bf16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
   };
   const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem) + start;
   auto A = [&](int row, int k) {
     const int r = row % 16;
-    return half(wg.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
+    return half(op.op->a.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
   };
   auto B = [&](int k, int col) {
     uint16_t v;
     std::memcpy(&v, base + (size_t)(col / 8) * sbo + (size_t)(k / 8) * lbo + (col % 8) * 16 + (k % 8) * 2, 2);
     return half(v, 0);
   };
-  const int w = me / 32, g = (me & 31) >> 2, t = me & 3;
-  float out[V];
-  for (size_t i = 0; i < V; ++i) {
+  const int me = tid() % 128, w = me / 32, g = (me & 31) >> 2, t = me & 3;
+  for (size_t i = 0; i < op.values; ++i) {
     const int row = 16 * w + g + 8 * (int)((i >> 1) & 1), col = 8 * (int)(i >> 2) + 2 * t + (int)(i & 1);
-    float s = d[i];
+    float s = op.d[i];
     for (int k = 0; k < 16; ++k) s = std::fmaf(A(row, k), B(k, col), s);
-    out[i] = s;
+    op.d[i] = s;
   }
-  block_barrier();  // every thread has read the deposits
-  for (size_t i = 0; i < V; ++i) d[i] = out[i];
+  if (--op.op->left == 0) {
+    auto& reads = block()->wg_reads;
+    reads.erase(std::find(reads.begin(), reads.end(), op.op));
+  }
+}
+
+// wgmma.commit_group and wgmma.wait_group n: this thread's shares of all but the newest n groups run now
+inline void wgmma_commit() {
+  Fiber& f = block()->fibers[block()->current];
+  f.wg_groups.push_back(std::move(f.wg_open));
+  f.wg_open.clear();
+}
+inline void wgmma_wait(size_t n) {
+  Fiber& f = block()->fibers[block()->current];
+  while (f.wg_groups.size() > n) {
+    for (const PendingWgmma& op : f.wg_groups.front()) run_wgmma(op);
+    f.wg_groups.erase(f.wg_groups.begin());
+  }
 }
 }  // namespace hf_w4_emu

@@ -50,14 +50,14 @@ extern "C" {
 
 // y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `sms` SMs x the kernel's resident blocks
 // per SM (132: an H100) with mt (1, 2, 4; 0: the rule), wide (1: the wide kernel, 0: not, -1: the rule) and
-// force_splits (0: the rule) as w4a16_gemm_plan takes them, or the wgmma kernel (wgmma = 1); the plan's splits in
-// *splits
+// force_splits (0: the rule) as w4a16_gemm_plan takes them, or the wgmma kernel (wgmma = 1, 2, 4: its warpgroups per
+// block); the plan's splits in *splits
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
                    int mt, int wide, int force_splits, int wgmma, int* splits) {
   const int npad = (n + 63) / 64 * 64;
   const GemmPlan plan =
-      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma != 0);
+      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma);
   *splits = plan.splits;
   const int gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
