@@ -676,7 +676,7 @@ constexpr int kWgSlots = 5;
 
 template <int KIND, int NWG, int ROWS>
 struct WgSlot {
-  static_assert(ROWS == 64 || ROWS == 128, "wgmma n = 64 or 128 rows of x");
+  static_assert(ROWS == 64 || ROWS == 128 || ROWS == 256, "wgmma n = 64, 128 or 256 rows of x");
   uint4 w[NWG][kChunk][32];
   uint4 s[NWG][scale_pieces<KIND>()];
   uint4 x[kChunk][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
@@ -713,7 +713,7 @@ __device__ __forceinline__ void fence_proxy_async() {
       "+f"(d[i + 7])
 
 // Issues d (64 x N, fp32, this thread's N / 2 values) += A (64 x 16, registers) x B (16 x N, shared memory at desc)
-// as a commit group of its own, N = 64 or 128. Until wgmma_wait has completed it, d must not be touched and A's
+// as a commit group of its own, N = 64, 128 or 256. Until wgmma_wait has completed it, d must not be touched and A's
 // registers and B's shared memory must keep their contents (wgmmas on the same d may be issued meanwhile: they run in
 // order).
 template <bool BF16, int N>
@@ -723,36 +723,57 @@ __device__ __forceinline__ void wgmma_issue(float (&d)[N / 2], const uint32_t (&
   hf_w4_emu::wgmma_commit();
 #else
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#define HF_W4_WGMMA_N64(TYPE)                                                                                   \
-  asm volatile(                                                                                                 \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                                            \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                          \
-      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24)                                                    \
+#define HF_W4_WGMMA_N64(TYPE)                                                                                          \
+  asm volatile(                                                                                                        \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                                 \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                         \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                                 \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                                 \
+      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24)                                                           \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-#define HF_W4_WGMMA_N128(TYPE)                                                                                  \
-  asm volatile(                                                                                                 \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                                            \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                                         \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                          \
-      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),        \
-        HF_W4_D8(56)                                                                                            \
+#define HF_W4_WGMMA_N128(TYPE)                                                                                         \
+  asm volatile(                                                                                                        \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                                                \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                         \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                               \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                               \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                                 \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                                                 \
+      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),                \
+        HF_W4_D8(56)                                                                                                   \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#define HF_W4_WGMMA_N256(TYPE)                                                                                         \
+  asm volatile(                                                                                                        \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"                                                                  \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                                \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                         \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                               \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                               \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                               \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                               \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                               \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                   \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                 \
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                                            \
+      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),                \
+        HF_W4_D8(56), HF_W4_D8(64), HF_W4_D8(72), HF_W4_D8(80), HF_W4_D8(88), HF_W4_D8(96), HF_W4_D8(104),             \
+        HF_W4_D8(112), HF_W4_D8(120)                                                                                   \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
   if constexpr (N == 64) {
     if constexpr (BF16) HF_W4_WGMMA_N64("bf16");
     else HF_W4_WGMMA_N64("f16");
-  } else {
+  } else if constexpr (N == 128) {
     if constexpr (BF16) HF_W4_WGMMA_N128("bf16");
     else HF_W4_WGMMA_N128("f16");
+  } else {
+    if constexpr (BF16) HF_W4_WGMMA_N256("bf16");
+    else HF_W4_WGMMA_N256("f16");
   }
 #undef HF_W4_WGMMA_N64
 #undef HF_W4_WGMMA_N128
+#undef HF_W4_WGMMA_N256
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #endif
 }
@@ -781,14 +802,21 @@ __device__ __forceinline__ void keep_until_here(const uint32_t (&a)[4]) {
 }
 #undef HF_W4_D8
 
-// A lane's tile reduced to word j (weights, scales, zero points of sub-tiles 2 j, 2 j + 1) as sub-tiles 0 and 1, so
-// that dequant_sub indexes with constants (a warp-dependent j would put the tile in local memory)
-__device__ __forceinline__ WTile word_of(const WTile& t, int j) {
-  const auto pick = [j](uint4 v) { return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w)); };
+// Word j of a lane's tile of step i of a chunk (chunk_tile's weights, scales, zero points of sub-tiles 2 j, 2 j + 1)
+// as sub-tiles 0 and 1, read alone from shared memory: a warp-dependent j indexes addresses, not registers (selects
+// from whole 16-byte loads, or local memory), and NVFP4 decodes one scale pair, not four
+template <class A, int KIND>
+__device__ __forceinline__ WTile chunk_word(const uint4 (&w)[kChunk][32], const uint4* s, int i, int lane, int j) {
+  const int g = lane >> 2;
   WTile r;
-  r.w = make_uint4(pick(t.w), 0u, 0u, 0u);
-  r.s = make_uint4(pick(t.s), 0u, 0u, 0u);
-  r.z = make_uint2((j < 2 ? t.z.x : t.z.y) >> (16 * (j & 1)), 0u);
+  r.w = make_uint4(reinterpret_cast<const uint32_t*>(&w[i][lane])[j], 0u, 0u, 0u);
+  r.z = make_uint2(0u, 0u);
+  if constexpr (KIND == kNvfp4) {  // E4M3 bytes 2 j, 2 j + 1 of the column's 8
+    r.s = make_uint4(scale_pair<A>(reinterpret_cast<const uint16_t*>(s + 4 * i)[4 * g + j], 0), 0u, 0u, 0u);
+  } else {
+    r.s = make_uint4(reinterpret_cast<const uint32_t*>(s + 8 * i + g)[j], 0u, 0u, 0u);
+    if constexpr (KIND == kInt4Asym) r.z.x = reinterpret_cast<const uint16_t*>(s + 8 * kChunk + 4 * i)[4 * g + j];
+  }
   return r;
 }
 #endif
@@ -817,6 +845,22 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   Slot* ring = reinterpret_cast<Slot*>(smem);
   ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, 0, has_tile ? nt : ntiles - 1, 0, lane);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  // This thread's 16-byte pieces of x per chunk, piece p = tid + j 128 NWG: (step, row, k half), a fixed number per
+  // thread (copies unrolled and predicated: one basic block); their sources advance one chunk at a time
+  constexpr int kPieces = kChunk * ROWS * 2, kPer = (kPieces + 128 * NWG - 1) / (128 * NWG);
+  const uint16_t* xsrc[kPer];
+  int xoff[kPer], xstep[kPer];  // destination (uint4 index in a slot's x), step in the chunk
+  bool xrow[kPer], xcopy[kPer];  // the row is below M; the thread has the piece
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    xcopy[j] = kPieces % (128 * NWG) == 0 || tid + j * 128 * NWG < kPieces;
+    const int p = xcopy[j] ? tid + j * 128 * NWG : 0;
+    const int row = (p >> 1) % ROWS, half = p & 1;
+    xstep[j] = p / (2 * ROWS);
+    xoff[j] = ((xstep[j] * (ROWS / 8) + (row >> 3)) * 2 + half) * 8 + (row & 7);
+    xrow[j] = m0 + row < a.m;
+    xsrc[j] = xrow[j] ? x + (size_t)(m0 + row) * a.k + xstep[j] * 16 + half * 8 : x;
+  }
   float acc[ROWS / 2];
 #pragma unroll
   for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
@@ -828,17 +872,11 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
         const bool issue = c < nchunks;
         copy_weight_pieces(ring[slot].w[wg], ring[slot].s[wg], src, a, kt, end, lane, gsteps, issue && warp == 0);
         advance(src, kChunk);
-        // 16-byte pieces (step, row, k half), a fixed number per thread: unrolled and predicated, one basic block
-        // (a loop to p < kPieces from tid compiles to a remainder loop and twice the instructions per chunk)
-        constexpr int kPieces = kChunk * ROWS * 2;
 #pragma unroll
-        for (int p0 = 0; p0 < kPieces; p0 += 128 * NWG) {
-          const bool piece = kPieces % (128 * NWG) == 0 || p0 + tid < kPieces;  // threads past the pieces: none
-          const int p = piece ? p0 + tid : 0;
-          const int step = p / (2 * ROWS), row = (p >> 1) % ROWS, half = p & 1;
-          const bool full = m0 + row < a.m && kt + step < end;
-          cp_async16(&ring[slot].x[step][row >> 3][half][row & 7],
-                     full ? x + (size_t)(m0 + row) * a.k + (kt + step) * 16 + half * 8 : x, full, issue && piece);
+        for (int j = 0; j < kPer; ++j) {
+          const bool full = xrow[j] && kt + xstep[j] < end;
+          cp_async16(&ring[slot].x[0][0][0][0] + xoff[j], full ? xsrc[j] : x, full, issue && xcopy[j]);
+          xsrc[j] += kChunk * 16;
         }
       },
       [] {
@@ -849,9 +887,8 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
         const Slot& s = ring[slot];
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
-          const WTile wt = chunk_tile<A, KIND>(s.w[wg], s.s[wg], i, lane);
           // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
-          const WTile ww = word_of(wt, warp);
+          const WTile ww = chunk_word<A, KIND>(s.w[wg], s.s[wg], i, lane, warp);
           dequant_sub<A, KIND>(ww, 0, af[i][0], af[i][2]);
           dequant_sub<A, KIND>(ww, 1, af[i][1], af[i][3]);
           wgmma_issue<BF16, ROWS>(acc, af[i], wg_desc(&s.x[i][0][0][0]));
@@ -962,10 +999,11 @@ int blocks_per_sm() {
 }
 
 // the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7), and the
-// wgmma kernel's (8-13: 1, 2 or 4 warpgroups x 64 or 128 rows; its plans have mt = rows / 16)
-constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 6;
+// wgmma kernel's (8-15: 1 or 2 warpgroups x 64, 128 or 256 rows, 4 warpgroups x 64 or 128 rows; its plans have
+// mt = rows / 16)
+constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 8;
 int tiling(int mt, int mr, bool wide, int wgmma = 0) {
-  if (wgmma) return kWgmmaTiling + 2 * (wgmma == 4 ? 2 : wgmma - 1) + (mt == 4 ? 0 : 1);
+  if (wgmma) return kWgmmaTiling + 3 * (wgmma == 4 ? 2 : wgmma - 1) + (mt == 4 ? 0 : (mt == 8 ? 1 : 2));
   return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
 }
 
@@ -978,6 +1016,13 @@ int blocks_per_sm_tiling(int t) {
     default: return blocks_per_sm<4, 16, BF16, KIND, WIDE>();
   }
 }
+// Rows of x per wgmma block for M rows and ntiles column tiles: 64 up to M = 64 (no half-empty blocks), else 128, or
+// 256 (twice the mma per dequantized weight) where blocks of 1 or 2 warpgroups still give every SM two warpgroups
+int wgmma_rows_for(int m, int ntiles, int nwg, int sms) {
+  if (m <= 64) return 64;
+  return nwg <= 2 && m > 128 && (int64_t)((m + 255) / 256) * ntiles >= 2 * sms ? 256 : 128;
+}
+
 // f(Int<NWG>{}, Int<ROWS>{}) for wgmma tiling t
 template <int V>
 struct Int {
@@ -988,9 +1033,11 @@ auto with_wgmma_tiling(int t, F&& f) {
   switch (t - kWgmmaTiling) {
     case 0: return f(Int<1>{}, Int<64>{});
     case 1: return f(Int<1>{}, Int<128>{});
-    case 2: return f(Int<2>{}, Int<64>{});
-    case 3: return f(Int<2>{}, Int<128>{});
-    case 4: return f(Int<4>{}, Int<64>{});
+    case 2: return f(Int<1>{}, Int<256>{});
+    case 3: return f(Int<2>{}, Int<64>{});
+    case 4: return f(Int<2>{}, Int<128>{});
+    case 5: return f(Int<2>{}, Int<256>{});
+    case 6: return f(Int<4>{}, Int<64>{});
     default: return f(Int<4>{}, Int<128>{});
   }
 }
@@ -1111,9 +1158,9 @@ bool w4a16_wgmma_available() {
 }
 
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits, int wgmma) {
-  if (wgmma) {  // wgmma warpgroups x 64 columns, 64 rows up to M = 64 (no half-empty blocks), else 128; K whole
-    const int rows = m <= 64 ? 64 : 128;
+                         int splits, int wgmma, int wgmma_rows) {
+  if (wgmma) {  // wgmma warpgroups x 64 columns by wgmma_rows_for rows, K whole
+    const int rows = wgmma_rows ? wgmma_rows : wgmma_rows_for(m, npad / 64, wgmma, sms);
     GemmPlan p = plan_gemm(m, npad, k, sms, 1, false, 1);
     p.wgmma = wgmma;
     p.mt = rows / 16;

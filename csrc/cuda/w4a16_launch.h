@@ -33,9 +33,10 @@ struct GemmArgs {
 // waves of column tiles, where it then takes the tiling), split-K for the resident blocks per SM the occupancy API
 // gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma = 1, 2 or 4: the
 // sm_90a wgmma kernel instead (only where w4a16_wgmma_available()), blocks of that many warpgroups, each on one column
-// tile, x 64 rows (M <= 64) or 128, over all of K.
+// tile, x wgmma_rows rows of x (64, 128, or 256 with 1 or 2 warpgroups; 0: 64 up to M = 64, else 128, or 256 where
+// that still gives every SM two warpgroups), over all of K.
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits = 0, int wgmma = 0);
+                         int splits = 0, int wgmma = 0, int wgmma_rows = 0);
 
 // Whether the wgmma kernel runs on the current device (compute capability 9.0 and the library built for sm_90a);
 // the first call per device launches a probe and waits for it.

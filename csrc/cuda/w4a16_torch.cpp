@@ -125,10 +125,20 @@ int wgmma_forced() {
   return n;
 }
 
+// HF_W4_CUDA_WGMMA_ROWS=64 / 128 / 256: the wgmma kernel's rows of x per block instead of the rule (0 when unset;
+// 256 with 1 or 2 warpgroups only: 4 would need more registers than an SM has)
+int wgmma_rows_override(int warpgroups) {
+  const int rows = plan_setting("HF_W4_CUDA_WGMMA_ROWS", 0, [](int v) { return v == 64 || v == 128 || v == 256; },
+                                "64, 128 or 256 (rows of x per wgmma block)");
+  TORCH_CHECK(rows != 256 || warpgroups != 4, "HF_W4_CUDA_WGMMA_ROWS=256 needs HF_W4_CUDA_WGMMA=1 or 2, not 4");
+  return rows;
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
+  const int wgmma = wgmma_forced();
   return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt_override(), wide_kernel(),
-                         blocks_per_sm, splits_override(), wgmma_forced());
+                         blocks_per_sm, splits_override(), wgmma, wgmma ? wgmma_rows_override(wgmma) : 0);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

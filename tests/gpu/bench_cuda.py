@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,16 +115,20 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
-def _honoured(var: str, value: int, field: int) -> bool:
-    """Whether the library's plan takes var=value (field ``field`` of cuda_w4a16_plan at M = 1 on 4096 x 4096 then
-    equals it): a baseline tree may refuse the value or ignore the variable."""
-    os.environ[var] = str(value)
+def _honoured(var: str, value: int, field: int, also: Optional[dict] = None, expect: Optional[int] = None) -> bool:
+    """Whether the library's plan takes var=value (with the variables ``also`` set: field ``field`` of
+    cuda_w4a16_plan at M = 1 on 4096 x 4096 then equals ``expect``, by default the value): a baseline tree may refuse
+    the value or ignore the variable."""
+    env = {**(also or {}), var: str(value)}
+    os.environ.update(env)
     try:
-        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == value
+        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == (
+            value if expect is None else expect)
     except (RuntimeError, IndexError):  # refused, or a plan without that field
         return False
     finally:
-        del os.environ[var]
+        for v in env:
+            del os.environ[v]
 
 
 def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
@@ -139,33 +144,43 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
-# the sm_90a wgmma kernel (HF_W4_CUDA_WGMMA = warpgroups per block), against the main table's bf16 paths
+# the sm_90a wgmma kernel, against the main table's bf16 paths: (HF_W4_CUDA_WGMMA = warpgroups per block,
+# HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
 WGMMA_MS = (64, 256, 1024, 2048)
-WGMMA_GROUPS = (1, 2, 4)
+WGMMA_VARIANTS = ((1, ""), (2, ""), (4, ""), (2, "128"), (2, "256"))
 
 
 def _wgmma_lines(record: dict) -> list:
-    """The wgmma kernel (int4 bf16, forced) with 1, 2 and 4 warpgroups per block at WGMMA_MS on every shape, where
-    this GPU and build have it: microseconds and, in brackets, the time of dense bf16 and of the path the library takes
-    now (the fused kernel up to M = 127, else dequantize + cuBLAS; both from the main table) / its own; also into
-    ``record``. Run last: a kernel that faults must not cost the other results."""
+    """The wgmma kernel (int4 bf16, forced) in each of WGMMA_VARIANTS at WGMMA_MS on every shape, where this GPU and
+    build have it: microseconds, the rows per block its plan took and, in brackets, the time of dense bf16 and of the
+    path the library takes now (the fused kernel up to M = 127, else dequantize + cuBLAS; both from the main table) /
+    its own; also into ``record``. Run last: a kernel that faults must not cost the other results."""
     if not _honoured("HF_W4_CUDA_WGMMA", 1, 7):
         return ["wgmma kernel: not available here (needs compute capability 9.0 and an sm_90a build)"]
-    groups = [g for g in WGMMA_GROUPS if _honoured("HF_W4_CUDA_WGMMA", g, 7)]  # a baseline tree may have 1 only
+    # a baseline tree may have one warpgroup and 128 rows only
+    variants = [(g, r) for g, r in WGMMA_VARIANTS if _honoured("HF_W4_CUDA_WGMMA", g, 7) and
+                (not r or _honoured("HF_W4_CUDA_WGMMA_ROWS", int(r), 0, {"HF_W4_CUDA_WGMMA": str(g)}, int(r) // 16))]
     lines = []
     for n, k in SHAPES:
         cq = max(2, -(-4 * L2_BYTES // (n * k // 2)))
         i4 = packed(n, k, "int4", cq)
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in WGMMA_MS}
-        for g in groups:
+        for g, r in variants:
+            env = {"HF_W4_CUDA_WGMMA": str(g), "HF_W4_CUDA_WGMMA_ROWS": r}
             cells = []
             for m in WGMMA_MS:
-                us = _fused_us({"HF_W4_CUDA_WGMMA": str(g)}, xs[m], i4, n, cq, 20 if m <= 64 else 5)
+                os.environ.update(env)
+                try:
+                    rows = 16 * torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
+                finally:
+                    for var in env:
+                        del os.environ[var]
+                us = _fused_us(env, xs[m], i4, n, cq, 20 if m <= 64 else 5)
                 main = record["times"].get(f"{n}x{k} M={m}", {})
-                cells.append(f"M={m} {us:7.1f}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 bf16'] / us:.2f}x)"
-                                                    if "bf16" in main and "i4 bf16" in main else ""))
-                record["tilings"][f"{n}x{k} M={m} wgmma={g}"] = us
-            lines.append(f"{f'{n}x{k}':>12} wg={g} | " + " | ".join(cells))
+                cells.append(f"M={m} {us:7.1f} r{rows}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 bf16'] / us:.2f}x)"
+                                                            if "bf16" in main and "i4 bf16" in main else ""))
+                record["tilings"][f"{n}x{k} M={m} wgmma={g} rows={r or 'rule'}"] = us
+            lines.append(f"{f'{n}x{k}':>12} wg={g} rows={r or 'rule':>4} | " + " | ".join(cells))
         i4 = xs = None
         torch.cuda.empty_cache()
     return lines
@@ -328,8 +343,9 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("wgmma kernel (HF_W4_CUDA_WGMMA = wg warpgroups per block), int4 bf16, microseconds per call (dense bf16 / "
-          "it, the library's path now / it):", flush=True)
+    print("wgmma kernel (HF_W4_CUDA_WGMMA = wg warpgroups per block, HF_W4_CUDA_WGMMA_ROWS = rows), int4 bf16, "
+          "microseconds per call, rN = the rows per block taken (dense bf16 / it, the library's path now / it):",
+          flush=True)
     for line in _wgmma_lines(record):
         print(line, flush=True)
     if a.json:

@@ -231,9 +231,9 @@ def test_plan_reports_a_split_covering_k():
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "modelopt_nvfp4"])
 def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups):
     """HF_W4_CUDA_WGMMA=1, 2, 4 on an H100 / H200 (the library is built for sm_90a there): blocks of that many
-    warpgroups x 64 columns (N = 136: 3 column tiles, so a block of 2 or 4 has a warpgroup past the last), 64 rows up
-    to M = 64, else 128, over all of K; every weight kind, a bias, partial and several m-blocks, a short last chunk
-    (K = 592)."""
+    warpgroups x 64 columns (N = 136: 3 column tiles, so a block of 2 or 4 has a warpgroup past the last) x 64 rows up
+    to M = 64, else 128 (the rule on a layer this narrow), and 64 and 256 rows forced (HF_W4_CUDA_WGMMA_ROWS), over
+    all of K; every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
     case = next(c for c in LAYOUTS if c[0] == name)
     _, layout, sym, ao, zp1 = case
     gs = 16 if "nvfp4" in layout else -1
@@ -245,16 +245,19 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups
     g = kern.global_scale if nv else 1.0
     bias = (torch.randn(136, device="cuda") * 0.1).to(dtype)
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", str(warpgroups))
-    for m in (1, 64, 257, 2048):
+    cases = [(1, "", 64), (64, "", 64), (257, "", 128), (2048, "", 128), (257, "64", 64)]  # (M, forced rows, rows)
+    if warpgroups < 4:
+        cases += [(257, "256", 256), (2048, "256", 256)]
+    for m, forced, rows in cases:
+        monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", forced)
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 136, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
                                                dtype == torch.bfloat16)
-        rows = 64 if m <= 64 else 128
-        assert plan[7] == warpgroups and plan[1] == -(-m // rows) and plan[3] == 1, plan
+        assert plan[7] == warpgroups and plan[0] * 16 == rows and plan[1] == -(-m // rows) and plan[3] == 1, plan
         x = torch.randn(m, 592, device="cuda").to(dtype)
         xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
         y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"], bias,
                                             136, kern.group_size, kern.weight_type, kern.global_scale)
-        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma={warpgroups} {name} {dtype} M={m}")
+        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma={warpgroups} rows={rows} {name} {dtype} M={m}")
 
 
 def test_wgmma_setting_is_checked(monkeypatch):
@@ -269,17 +272,26 @@ def test_wgmma_setting_is_checked(monkeypatch):
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", "2")
     if torch.cuda.get_device_capability() == (9, 0):
         assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 2
+        monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", "96")
+        with pytest.raises(RuntimeError, match="HF_W4_CUDA_WGMMA_ROWS='96': expected 64, 128 or 256"):
+            torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+        monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", "256")
+        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[0] == 16
+        monkeypatch.setenv("HF_W4_CUDA_WGMMA", "4")
+        with pytest.raises(RuntimeError, match="HF_W4_CUDA_WGMMA_ROWS=256 needs HF_W4_CUDA_WGMMA=1 or 2"):
+            torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
     else:
         with pytest.raises(RuntimeError, match="the wgmma kernel needs a GPU of compute capability 9.0"):
             torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
 
 
 @SM90
-@pytest.mark.parametrize("m", [64, 128])
+@pytest.mark.parametrize("m", [64, 128, 256])
 def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch, m):
     """One-hot rows of x pick single weight columns, so each output row must equal one column of W exactly: row m
     with its 1 at k(m) gives W[:, k(m)]. A wrong descriptor (k order of B) or fragment layout (A / D) shows here as
-    the k or the columns found instead, which says which of them is off. M = 64 and 128: the n64 and n128 wgmma."""
+    the k or the columns found instead, which says which of them is off. M = 64, 128, 256: one block of that many rows
+    (the n64, n128 and n256 wgmma)."""
     n, k = 64, 128
     spec, qw = make_qweight("gptq", n, k, -1, True, False, False, seed=5, device="cuda")
     kern, layer = _layer(spec, qw)
@@ -289,6 +301,7 @@ def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch, m):
     x = torch.zeros(m, k, device="cuda", dtype=torch.float16)
     x[torch.arange(m), torch.tensor(ks)] = 1
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", str(m))
     y = torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], kern._scales(b, torch.float16), None, None, n,
                                         kern.group_size, "int4", 1.0)
     wrong = []

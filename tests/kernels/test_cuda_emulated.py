@@ -36,9 +36,10 @@ def emu(cxx_library):
              os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu")]
     lib = cxx_library(os.path.join(EMU, "w4a16_emu.cpp"), flags,
                       "g++ not found: the emulated CUDA kernels cannot be built")
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 5 + \
-        [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 6 + \
+        [ctypes.POINTER(ctypes.c_int)] * 2
     lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_wgmma_rows.argtypes = [ctypes.c_int] * 5
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -66,20 +67,21 @@ class Layer:
     def scales(self, dtype):
         return self.kern._scales(self.module._buffers, dtype)
 
-    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=0):
+    def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=0, wgmma_rows=0):
         """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
         splits forced (0: the plan's); wgmma = 1, 2, 4: the sm_90a wgmma kernel instead, with that many warpgroups
-        per block."""
+        per block, and wgmma_rows rows per block (0: the plan's). Returns y and the plan's splits (the wgmma kernel:
+        its rows per block)."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
-        nsplits = ctypes.c_int(0)
+        nsplits, rows = ctypes.c_int(0), ctypes.c_int(0)
         rc = lib.hf_w4_emu_gemm(_ptr(xp), _ptr(self.q), _ptr(self.scales(dtype)), _ptr(self.z), _ptr(bias), _ptr(y),
                                 x.shape[0], self.n, self.k, self.kern.group_size, self.kind,
                                 int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
-                                -1 if wide is None else int(wide), splits, wgmma,
-                                ctypes.byref(nsplits))
+                                -1 if wide is None else int(wide), splits, wgmma, wgmma_rows,
+                                ctypes.byref(nsplits), ctypes.byref(rows))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
-        return y, nsplits.value
+        return y, (rows.value if wgmma else nsplits.value)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
@@ -153,17 +155,27 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
 def test_wgmma_kernel_emulated(emu, name, dtype, warpgroups):
-    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64 rows up to M = 64, else 128; K
-    whole): every weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column
-    tiles (a block of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16
-    steps)."""
+    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64, 128 or 256 rows; K whole):
+    every weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a
+    block of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16 steps)."""
     n, k = 136, 592
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
-    for m in (1, 64, 128, 150):
+    cases = [(1, 0, 64), (64, 0, 64), (128, 0, 128), (150, 0, 128), (150, 64, 64)]  # (M, forced rows, rows)
+    if warpgroups < 4:
+        cases += [(150, 256, 256), (300, 256, 256)]
+    for m, forced, rows in cases:
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, splits = layer.gemm(emu, x, dtype, bias, wgmma=warpgroups)
-        assert splits == 1
-        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma={warpgroups} M={m}")
+        y, planned = layer.gemm(emu, x, dtype, bias, wgmma=warpgroups, wgmma_rows=forced)
+        assert planned == rows, (m, forced, planned)
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma={warpgroups} rows={rows} M={m}")
+
+
+def test_wgmma_rows_rule_emulated(emu):
+    """The wgmma plan's rows per block: 64 up to M = 64, 128 above, 256 from M = 129 with 1 or 2 warpgroups per block
+    where the 256-row blocks still give every SM two warpgroups (132 SMs: 264 of them)."""
+    for m, n, nwg, rows in ((64, 64, 1, 64), (65, 64, 1, 128), (128, 28672, 1, 128), (129, 28672, 1, 256),
+                            (129, 28672, 4, 128), (2048, 4096, 2, 256), (1024, 4096, 2, 128), (2048, 1024, 1, 128)):
+        assert emu.hf_w4_emu_wgmma_rows(m, n, 4096, nwg, SMS) == rows, (m, n, nwg)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])

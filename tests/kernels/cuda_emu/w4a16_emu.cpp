@@ -51,14 +51,15 @@ extern "C" {
 // y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `sms` SMs x the kernel's resident blocks
 // per SM (132: an H100) with mt (1, 2, 4; 0: the rule), wide (1: the wide kernel, 0: not, -1: the rule) and
 // force_splits (0: the rule) as w4a16_gemm_plan takes them, or the wgmma kernel (wgmma = 1, 2, 4: its warpgroups per
-// block); the plan's splits in *splits
+// block; wgmma_rows: its rows per block, 0: the rule); the plan's splits in *splits, its rows per block in *rows
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
-                   int mt, int wide, int force_splits, int wgmma, int* splits) {
+                   int mt, int wide, int force_splits, int wgmma, int wgmma_rows, int* splits, int* rows) {
   const int npad = (n + 63) / 64 * 64;
   const GemmPlan plan =
-      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma);
+      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma, wgmma_rows);
   *splits = plan.splits;
+  *rows = plan.bm;
   const int gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gx(x, (size_t)m * k * 2), gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
       gz(kind == kInt4Asym ? zeros : nullptr, zero_bytes(npad, k, gs, kind)), gb(bias, bias ? (size_t)n * 2 : 0),
@@ -93,6 +94,11 @@ void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, in
   const GemmPlan p = w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits);
   const int v[6] = {p.mt, p.mr, p.mblocks, p.ntiles, p.splits, p.wide ? 1 : 0};
   std::memcpy(out, v, sizeof(v));
+}
+
+// The wgmma plan's rows of x per block for (M, N, K) with nwg warpgroups per block on `sms` SMs
+int hf_w4_emu_wgmma_rows(int m, int n, int k, int nwg, int sms) {
+  return w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, true, kInt4Sym, sms, 0, -1, nullptr, 0, nwg).bm;
 }
 
 int hf_w4_emu_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int k,
