@@ -29,7 +29,9 @@ if cuda_sources and torch.version.cuda and CUDA_HOME is not None and os.environ.
     arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else [
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
         "-gencode=arch=compute_90,code=compute_90"]
+    # --threads: nvcc compiles the GPU targets side by side
     exts.append(CUDAExtension("hf_w4._C_cuda", cuda_sources, include_dirs=[os.path.abspath("csrc/cuda")],
-                              extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"] + arch}, py_limited_api=False))
+                              extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--threads=0"] + arch},
+                              py_limited_api=False))
 
 setup(ext_modules=exts, cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -95,7 +95,8 @@ def load_cuda() -> bool:
                 cpp_extension.load(
                     name="hf_w4_cuda", sources=sorted(glob.glob(os.path.join(src, "*.cpp")) +
                                                       glob.glob(os.path.join(src, "*.cu"))),
-                    extra_include_paths=[src], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"] + arch,
+                    # --threads: nvcc compiles the GPU targets (sm_90, its PTX, sm_90a) side by side
+                    extra_include_paths=[src], extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--threads=0"] + arch,
                     build_directory=build, is_python_module=False,
                     verbose=env.text("HF_W4_CUDA_VERBOSE") == "1")
                 ok = True

@@ -822,28 +822,31 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[kChunk][32], const 
 #endif
 
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
-// blockIdx.x) over all of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warp 0 of each
+// blockIdx.x) over its split of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warp 0 of each
 // warpgroup copies its tile's weights and scales (copy_weight_pieces), all threads the shared rows of x, rows past M
 // zero-filled. Each step's wgmma runs while the next step is dequantized (two A register sets, wait_group 1), so a
 // chunk's last wgmma may still read its slot at the next chunk's barrier: the ring refills the slot of the chunk
-// before (stream_ring's LAG = 2).
+// before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the fused kernels: every
+// split stores its partial tile, and the last block to arrive at a tile's counter adds them in split order.
 template <bool BF16, int KIND, int NWG, int ROWS>
-__global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles) {
+__global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles, const int splits,
+                                                                 const int steps_per_split) {
 #if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using A = DevAct<BF16>;
   using Slot = WgSlot<KIND, NWG, ROWS>;
   extern __shared__ uint4 smem[];
   // (NWG = 1: constants, not a register each)
   const int tid = threadIdx.x, wg = NWG == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int nt = NWG * blockIdx.y + wg, m0 = blockIdx.x * ROWS;
+  const int mb = blockIdx.x, nt = NWG * blockIdx.y + wg, m0 = mb * ROWS, split = blockIdx.z;
   // A warpgroup past the last tile multiplies the last one again and stores nothing: no branch around the wgmma
   // (ptxas serializes the wgmma pipeline where it sits in a path it cannot prove uniform)
   const bool has_tile = NWG == 1 || nt < ntiles;
   const int g = lane >> 2, t = lane & 3;
-  const int gsteps = a.group_size >> 4, end = a.k / 16;
-  const int nchunks = (end + kChunk - 1) / kChunk;
+  const int gsteps = a.group_size >> 4, ksteps = a.k / 16, kb = split * steps_per_split;
+  const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
+  const int nchunks = (end - kb + kChunk - 1) / kChunk;
   Slot* ring = reinterpret_cast<Slot*>(smem);
-  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, 0, has_tile ? nt : ntiles - 1, 0, lane);
+  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, kb, has_tile ? nt : ntiles - 1, 0, lane);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   // This thread's 16-byte pieces of x per chunk, piece p = tid + j 128 NWG: (step, row, k half), a fixed number per
   // thread (copies unrolled and predicated: one basic block); their sources advance one chunk at a time
@@ -859,7 +862,7 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
     xstep[j] = p / (2 * ROWS);
     xoff[j] = ((xstep[j] * (ROWS / 8) + (row >> 3)) * 2 + half) * 8 + (row & 7);
     xrow[j] = m0 + row < a.m;
-    xsrc[j] = xrow[j] ? x + (size_t)(m0 + row) * a.k + xstep[j] * 16 + half * 8 : x;
+    xsrc[j] = xrow[j] ? x + (size_t)(m0 + row) * a.k + (kb + xstep[j]) * 16 + half * 8 : x;
   }
   float acc[ROWS / 2];
 #pragma unroll
@@ -868,7 +871,7 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   stream_ring<kWgSlots, 2>(
       nchunks,
       [&](int slot, int c) {
-        const int kt = kChunk * c;
+        const int kt = kb + kChunk * c;
         const bool issue = c < nchunks;
         copy_weight_pieces(ring[slot].w[wg], ring[slot].s[wg], src, a, kt, end, lane, gsteps, issue && warp == 0);
         advance(src, kChunk);
@@ -898,8 +901,44 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
         }
       });
   wgmma_wait<0, ROWS>(acc);
-  if (!has_tile) return;
   // acc[4 j + r]: column nt 64 + 16 warp + g + 8 (r >> 1), row m0 + 8 j + 2 t + (r & 1)
+  if (splits > 1) {
+    // a split's partial tile: [64 columns][ROWS rows] fp32, so that a thread's two rows of a column are one float2
+    __shared__ int last[NWG];
+    float* part = a.workspace + (size_t)(mb * ntiles + (has_tile ? nt : 0)) * splits * (ROWS * 64);
+    const auto at = [&](int j, int h) { return (16 * warp + g + 8 * h) * ROWS + 8 * j + 2 * t; };
+    if (has_tile)
+#pragma unroll
+      for (int j = 0; j < ROWS / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (m0 + 8 * j + 2 * t < a.m)
+            __stcg(reinterpret_cast<float2*>(part + (size_t)split * (ROWS * 64) + at(j, h)),
+                   make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+    __threadfence();
+    __syncthreads();
+    if ((tid & 127) == 0) last[wg] = has_tile && atomicAdd(a.counters + mb * ntiles + nt, 1) == splits - 1;
+    __syncthreads();
+    if (!last[wg]) return;
+    __threadfence();
+    // the last split of this tile adds all splits in split order (the same order in every run)
+#pragma unroll
+    for (int j = 0; j < ROWS / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float2 v = make_float2(0.f, 0.f);
+        if (m0 + 8 * j + 2 * t < a.m)
+          for (int sp = 0; sp < splits; ++sp) {
+            const float2 p = __ldcg(reinterpret_cast<const float2*>(part + (size_t)sp * (ROWS * 64) + at(j, h)));
+            v.x += p.x;
+            v.y += p.y;
+          }
+        acc[4 * j + 2 * h] = v.x;
+        acc[4 * j + 2 * h + 1] = v.y;
+      }
+    if ((tid & 127) == 0) a.counters[mb * ntiles + nt] = 0;
+  }
+  if (!has_tile) return;
 #pragma unroll
   for (int j = 0; j < ROWS / 8; ++j)
 #pragma unroll
@@ -1066,10 +1105,10 @@ template <bool BF16, int KIND>
 void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   with_wgmma_tiling(tiling(p.mt, p.mr, false, p.wgmma), [&](auto nwg, auto rows) {
     constexpr int NWG = decltype(nwg)::value, ROWS = decltype(rows)::value;
-    const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG);
+    const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG, p.splits);
     const auto kernel = w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>;
     const int bytes = wg_ring_bytes<KIND, NWG, ROWS>();
-    HF_W4_LAUNCH(kernel, grid, 128 * NWG, bytes, stream)(a, p.ntiles);
+    HF_W4_LAUNCH(kernel, grid, 128 * NWG, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
   });
 }
 
@@ -1159,15 +1198,13 @@ bool w4a16_wgmma_available() {
 
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
                          int splits, int wgmma, int wgmma_rows) {
-  if (wgmma) {  // wgmma warpgroups x 64 columns by wgmma_rows_for rows, K whole
+  if (wgmma) {  // wgmma warpgroups x 64 columns by wgmma_rows_for rows; split-K as the fused kernels
     const int rows = wgmma_rows ? wgmma_rows : wgmma_rows_for(m, npad / 64, wgmma, sms);
-    GemmPlan p = plan_gemm(m, npad, k, sms, 1, false, 1);
+    const int bps = w4a16_gemm_blocks_per_sm(rows / 16, 16, bf16, kind, false, wgmma);
+    if (blocks_per_sm) *blocks_per_sm = bps;
+    GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, wgmma);
     p.wgmma = wgmma;
-    p.mt = rows / 16;
     p.mr = 16;
-    p.bm = rows;
-    p.mblocks = (m + rows - 1) / rows;
-    if (blocks_per_sm) *blocks_per_sm = w4a16_gemm_blocks_per_sm(p.mt, p.mr, bf16, kind, false, wgmma);
     return p;
   }
   int t = mt ? mt : plan_mt(m, k);

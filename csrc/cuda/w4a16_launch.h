@@ -34,7 +34,7 @@ struct GemmArgs {
 // gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma = 1, 2 or 4: the
 // sm_90a wgmma kernel instead (only where w4a16_wgmma_available()), blocks of that many warpgroups, each on one column
 // tile, x wgmma_rows rows of x (64, 128, or 256 with 1 or 2 warpgroups; 0: 64 up to M = 64, else 128, or 256 where
-// that still gives every SM two warpgroups), over all of K.
+// that still gives every SM two warpgroups), K split as for the fused kernel.
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
                          int splits = 0, int wgmma = 0, int wgmma_rows = 0);
 

@@ -168,14 +168,16 @@ HF_W4_HD int plan_rows(int m, int mt) { return mt == 1 && m <= 8 ? 8 : 16; }
 struct GemmPlan {
   int mt, mr, bm, mblocks, ntiles, splits, steps_per_split;
   bool wide;  // the wide kernel: blocks of 4 column tiles
-  int wgmma;  // the sm_90a wgmma kernel's warpgroups per block (0: a fused mma.sync kernel); K not split
+  int wgmma;  // the sm_90a wgmma kernel's warpgroups per block (0: a fused mma.sync kernel)
   int64_t ws_floats;
   int counters;
 };
 
-// mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT); splits: 0 = one wave of
-// ``slots`` blocks at most, else that many (HF_W4_CUDA_SPLITS), within the same bounds of 1 .. K / 128
-inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false, int splits = 0) {
+// mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT; the wgmma kernel: rows / 16);
+// splits: 0 = one wave of ``slots`` blocks at most, else that many (HF_W4_CUDA_SPLITS), within the same bounds of
+// 1 .. K / 128; tiles: the column tiles of a block (the wide kernel's 4; the wgmma kernel's warpgroups)
+inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false, int splits = 0,
+                          int tiles = 1) {
   GemmPlan p;
   p.mt = mt ? mt : plan_mt(m, k);
   p.mr = plan_rows(m, p.mt);
@@ -185,7 +187,8 @@ inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wi
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;
   const int ksteps = k / 16;
-  const int blocks = (wide ? (p.ntiles + 3) / 4 : p.ntiles) * p.mblocks;
+  if (wide) tiles = 4;
+  const int blocks = (p.ntiles + tiles - 1) / tiles * p.mblocks;
   int s = splits > 0 ? splits : slots / blocks;
   const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (one chunk per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);

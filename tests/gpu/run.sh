@@ -44,7 +44,7 @@ stage environment 20 bash -c 'nvidia-smi -L; nvcc --version | tail -n 2; gcc --v
   python -c "import sys, torch, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__,
   \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); print(torch.cuda.get_device_name(0),
   torch.cuda.get_device_capability(0))"'
-stage jit-build 90 python -c '
+stage jit-build 150 python -c '
 import time
 from hf_w4 import _ext
 t = time.time()
@@ -61,10 +61,10 @@ stage gpu-models 150 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
 BENCH_DIR=${OUT:-/tmp}
-stage benchmark 150 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
+stage benchmark 200 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
 if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
   BASE=$(cd "$HF_W4_GPU_BASELINE" && pwd)
-  stage baseline-benchmark 150 env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline \
+  stage baseline-benchmark 200 env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline \
     python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench_baseline.json"
   stage compare 20 python tests/gpu/bench_cuda.py --compare "$BENCH_DIR/bench_baseline.json" "$BENCH_DIR/bench.json"
 fi

@@ -232,8 +232,9 @@ def test_plan_reports_a_split_covering_k():
 def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups):
     """HF_W4_CUDA_WGMMA=1, 2, 4 on an H100 / H200 (the library is built for sm_90a there): blocks of that many
     warpgroups x 64 columns (N = 136: 3 column tiles, so a block of 2 or 4 has a warpgroup past the last) x 64 rows up
-    to M = 64, else 128 (the rule on a layer this narrow), and 64 and 256 rows forced (HF_W4_CUDA_WGMMA_ROWS), over
-    all of K; every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
+    to M = 64, else 128 (the rule on a layer this narrow), and 64 and 256 rows forced (HF_W4_CUDA_WGMMA_ROWS); K in 4
+    splits (the plan's on this narrow layer: 10, 10, 10 and 7 k16 steps) or 1 (forced); every weight kind, a bias,
+    partial and several m-blocks, a short last chunk (K = 592)."""
     case = next(c for c in LAYOUTS if c[0] == name)
     _, layout, sym, ao, zp1 = case
     gs = 16 if "nvfp4" in layout else -1
@@ -245,19 +246,24 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups
     g = kern.global_scale if nv else 1.0
     bias = (torch.randn(136, device="cuda") * 0.1).to(dtype)
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", str(warpgroups))
-    cases = [(1, "", 64), (64, "", 64), (257, "", 128), (2048, "", 128), (257, "64", 64)]  # (M, forced rows, rows)
+    # (M, forced rows, forced splits, rows, splits)
+    cases = [(1, "", "", 64, 4), (64, "", "1", 64, 1), (257, "", "", 128, 4), (2048, "", "1", 128, 1),
+             (257, "64", "", 64, 4)]
     if warpgroups < 4:
-        cases += [(257, "256", 256), (2048, "256", 256)]
-    for m, forced, rows in cases:
+        cases += [(257, "256", "1", 256, 1), (2048, "256", "", 256, 4)]
+    for m, forced, forced_splits, rows, splits in cases:
         monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", forced)
+        monkeypatch.setenv("HF_W4_CUDA_SPLITS", forced_splits)
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 136, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
                                                dtype == torch.bfloat16)
-        assert plan[7] == warpgroups and plan[0] * 16 == rows and plan[1] == -(-m // rows) and plan[3] == 1, plan
+        assert plan[7] == warpgroups and plan[0] * 16 == rows and plan[1] == -(-m // rows), plan
+        assert plan[3] == splits and (splits - 1) * plan[4] < 37 <= splits * plan[4], plan
         x = torch.randn(m, 592, device="cuda").to(dtype)
         xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
         y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"], bias,
                                             136, kern.group_size, kern.weight_type, kern.global_scale)
-        check_kernel_output(y, x, w, g, bias, U[dtype], False, f"wgmma={warpgroups} rows={rows} {name} {dtype} M={m}")
+        check_kernel_output(y, x, w, g, bias, U[dtype], False,
+                            f"wgmma={warpgroups} rows={rows} splits={splits} {name} {dtype} M={m}")
 
 
 def test_wgmma_setting_is_checked(monkeypatch):

@@ -70,8 +70,8 @@ class Layer:
     def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=0, wgmma_rows=0):
         """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
         splits forced (0: the plan's); wgmma = 1, 2, 4: the sm_90a wgmma kernel instead, with that many warpgroups
-        per block, and wgmma_rows rows per block (0: the plan's). Returns y and the plan's splits (the wgmma kernel:
-        its rows per block)."""
+        per block, and wgmma_rows rows per block (0: the plan's). Returns y and the plan's splits; its rows per block
+        in self.rows."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
         nsplits, rows = ctypes.c_int(0), ctypes.c_int(0)
@@ -81,7 +81,8 @@ class Layer:
                                 -1 if wide is None else int(wide), splits, wgmma, wgmma_rows,
                                 ctypes.byref(nsplits), ctypes.byref(rows))
         assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
-        return y, (rows.value if wgmma else nsplits.value)
+        self.rows = rows.value
+        return y, nsplits.value
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
@@ -155,19 +156,22 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
 def test_wgmma_kernel_emulated(emu, name, dtype, warpgroups):
-    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64, 128 or 256 rows; K whole):
-    every weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a
-    block of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16 steps)."""
+    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64, 128 or 256 rows): every
+    weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a block
+    of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16 steps), K split
+    (the plan fills 132 SMs: 4 splits of 10 steps, the last one short) and not."""
     n, k = 136, 592
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
-    cases = [(1, 0, 64), (64, 0, 64), (128, 0, 128), (150, 0, 128), (150, 64, 64)]  # (M, forced rows, rows)
+    # (M, forced rows, forced splits, rows)
+    cases = [(1, 0, 0, 64), (64, 0, 1, 64), (128, 0, 0, 128), (150, 0, 1, 128), (150, 64, 0, 64)]
     if warpgroups < 4:
-        cases += [(150, 256, 256), (300, 256, 256)]
-    for m, forced, rows in cases:
+        cases += [(150, 256, 1, 256), (300, 256, 0, 256)]
+    for m, forced, splits, rows in cases:
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, planned = layer.gemm(emu, x, dtype, bias, wgmma=warpgroups, wgmma_rows=forced)
-        assert planned == rows, (m, forced, planned)
-        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma={warpgroups} rows={rows} M={m}")
+        y, planned = layer.gemm(emu, x, dtype, bias, splits=splits, wgmma=warpgroups, wgmma_rows=forced)
+        assert (layer.rows, planned) == (rows, splits or 4), (m, forced, layer.rows, planned)
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False,
+                            f"{name} {dtype} wgmma={warpgroups} rows={rows} M={m} splits={planned}")
 
 
 def test_wgmma_rows_rule_emulated(emu):
