@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <algorithm>
 #include <memory>
@@ -99,18 +100,44 @@ struct PendingWgmma {
   std::shared_ptr<IssuedWgmma> op;
 };
 
+// A thread's asynchronous operations of one kind (cp.async, wgmma): those since its last commit and the committed
+// groups not yet waited for, oldest first
+template <class Op>
+struct CommitGroups {
+  std::vector<Op> open;
+  std::vector<std::vector<Op>> groups;
+  void commit() {
+    groups.push_back(std::move(open));
+    open.clear();
+  }
+  // all but the newest n groups complete: run(op) for each of their operations, oldest first
+  template <class Run>
+  void wait(size_t n, Run&& run) {
+    while (groups.size() > n) {
+      for (const Op& op : groups.front()) run(op);
+      groups.erase(groups.begin());
+    }
+  }
+  bool empty() const { return open.empty() && groups.empty(); }
+};
+
 struct Fiber {
   ucontext_t ctx;
   bool done = false;
-  std::vector<Copy> open;                  // cp.async since the last commit
-  std::vector<std::vector<Copy>> groups;   // committed groups, oldest first, not yet waited for
-  std::vector<PendingWgmma> wg_open;                 // wgmma since the last wgmma commit
-  std::vector<std::vector<PendingWgmma>> wg_groups;  // committed wgmma groups, oldest first
+  CommitGroups<Copy> copies;
+  CommitGroups<PendingWgmma> wgmmas;
 };
 
 struct WarpSlots {  // what the lanes of a warp deposit for a collective
   uint32_t a[32][4], b[32][2];
   uint32_t v[32];
+};
+
+// The barriers of a block's groups of `size` threads (warps, warpgroups); group i: threads size i ..
+struct GroupBarriers {
+  int size;
+  int arrived[32] = {}, exited[32] = {};
+  uint64_t gen[32] = {};
 };
 
 struct BlockState {
@@ -123,12 +150,8 @@ struct BlockState {
   uint64_t block_gen = 0;
   int block_or = 0;
   std::map<uint64_t, int> block_or_result;
-  // warp and warpgroup barriers
-  int warp_arrived[32] = {}, warp_exited[32] = {};
-  uint64_t warp_gen[32] = {};
+  GroupBarriers warps{32}, warpgroups{128};
   WarpSlots warp[32];
-  int wg_arrived[8] = {}, wg_exited[8] = {};
-  uint64_t wg_gen[8] = {};
   WarpgroupSlots warpgroup[8];
   std::shared_ptr<IssuedWgmma> wg_issued[8];          // the warpgroup's newest wgmma, for its threads to take
   std::vector<std::shared_ptr<IssuedWgmma>> wg_reads;  // wgmma not yet run by every thread: no copies into their B
@@ -157,16 +180,10 @@ inline void release_block(BlockState* b) {
     ++b->block_gen;
   }
 }
-inline void release_warp(BlockState* b, int w) {
-  if (b->warp_arrived[w] > 0 && b->warp_arrived[w] + b->warp_exited[w] == std::min(32, b->threads - 32 * w)) {
-    b->warp_arrived[w] = 0;
-    ++b->warp_gen[w];
-  }
-}
-inline void release_warpgroup(BlockState* b, int w) {
-  if (b->wg_arrived[w] > 0 && b->wg_arrived[w] + b->wg_exited[w] == std::min(128, b->threads - 128 * w)) {
-    b->wg_arrived[w] = 0;
-    ++b->wg_gen[w];
+inline void release_group(const BlockState* b, GroupBarriers& gb, int w) {
+  if (gb.arrived[w] > 0 && gb.arrived[w] + gb.exited[w] == std::min(gb.size, b->threads - gb.size * w)) {
+    gb.arrived[w] = 0;
+    ++gb.gen[w];
   }
 }
 
@@ -174,19 +191,17 @@ inline void fiber_main() {
   BlockState* b = block();
   b->body();
   const Fiber& f = b->fibers[b->current];
-  if (!f.wg_open.empty() || !f.wg_groups.empty()) {
+  if (!f.wgmmas.empty()) {
     std::fprintf(stderr, "hf_w4 CUDA emulation: thread %d exited with wgmma in flight (no wgmma.wait_group 0)\n",
                  tid());
     std::abort();
   }
   b->fibers[b->current].done = true;
   ++b->exited;
-  ++b->warp_exited[tid() / 32];
-  ++b->wg_exited[tid() / 128];
+  for (GroupBarriers* gb : {&b->warps, &b->warpgroups}) ++gb->exited[tid() / gb->size];
   ++b->events;
   release_block(b);
-  release_warp(b, tid() / 32);
-  release_warpgroup(b, tid() / 128);
+  for (GroupBarriers* gb : {&b->warps, &b->warpgroups}) release_group(b, *gb, tid() / gb->size);
   swapcontext(&b->fibers[b->current].ctx, &b->scheduler);  // never resumed
 }
 
@@ -201,26 +216,20 @@ inline uint64_t block_barrier() {
   ++b->events;
   return gen;
 }
-inline void warp_barrier() {
+// Every live thread of the calling thread's group (warp, warpgroup) arrives
+inline void group_barrier(GroupBarriers BlockState::*groups) {
   BlockState* b = block();
-  const int w = tid() / 32;
-  const uint64_t gen = b->warp_gen[w];
-  ++b->warp_arrived[w];
+  GroupBarriers& gb = b->*groups;
+  const int w = tid() / gb.size;
+  const uint64_t gen = gb.gen[w];
+  ++gb.arrived[w];
   ++b->events;
-  release_warp(b, w);
-  while (b->warp_gen[w] == gen) yield();
+  release_group(b, gb, w);
+  while (gb.gen[w] == gen) yield();
   ++b->events;
 }
-inline void warpgroup_barrier() {
-  BlockState* b = block();
-  const int w = tid() / 128;
-  const uint64_t gen = b->wg_gen[w];
-  ++b->wg_arrived[w];
-  ++b->events;
-  release_warpgroup(b, w);
-  while (b->wg_gen[w] == gen) yield();
-  ++b->events;
-}
+inline void warp_barrier() { group_barrier(&BlockState::warps); }
+inline void warpgroup_barrier() { group_barrier(&BlockState::warpgroups); }
 
 // Runs body() as every thread of every block of the grid. Blocks run in a shuffled order and each round resumes the
 // waiting threads in a shuffled order (fixed seed): no kernel may depend on either, and a fixed order would hide a
@@ -302,23 +311,15 @@ inline void cp_async16(void* smem, const void* gmem, bool full = true) {
                    "still read (%u..%u): wait for it first\n", at, r->begin, r->end);
       std::abort();
     }
-  block()->fibers[block()->current].open.push_back(Copy{smem, full ? gmem : nullptr});
+  block()->fibers[block()->current].copies.open.push_back(Copy{smem, full ? gmem : nullptr});
 }
-inline void cp_async_commit() {
-  Fiber& f = block()->fibers[block()->current];
-  f.groups.push_back(std::move(f.open));
-  f.open.clear();
-}
+inline void cp_async_commit() { block()->fibers[block()->current].copies.commit(); }
 // all but the newest n committed groups complete
 inline void cp_async_wait(size_t n) {
-  Fiber& f = block()->fibers[block()->current];
-  while (f.groups.size() > n) {
-    for (const Copy& c : f.groups.front()) {
-      if (c.src) std::memcpy(c.dst, c.src, 16);
-      else std::memset(c.dst, 0, 16);
-    }
-    f.groups.erase(f.groups.begin());
-  }
+  block()->fibers[block()->current].copies.wait(n, [](const Copy& c) {
+    if (c.src) std::memcpy(c.dst, c.src, 16);
+    else std::memset(c.dst, 0, 16);
+  });
 }
 
 // cvt.rn.f16x2.e4m3x2: the E4M3 byte in bits 0..7 to the low fp16 half, bits 8..15 to the high one (exact; 0x7f /
@@ -506,7 +507,7 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
     bs->wg_reads.push_back(op);
   }
   warpgroup_barrier();  // the record exists; every thread has taken the deposits
-  bs->fibers[bs->current].wg_open.push_back(PendingWgmma{d, V, BF16, desc, bs->wg_issued[tid() / 128]});
+  bs->fibers[bs->current].wgmmas.open.push_back(PendingWgmma{d, V, BF16, desc, bs->wg_issued[tid() / 128]});
 }
 
 inline void run_wgmma(const PendingWgmma& op) {
@@ -541,16 +542,6 @@ inline void run_wgmma(const PendingWgmma& op) {
 }
 
 // wgmma.commit_group and wgmma.wait_group n: this thread's shares of all but the newest n groups run now
-inline void wgmma_commit() {
-  Fiber& f = block()->fibers[block()->current];
-  f.wg_groups.push_back(std::move(f.wg_open));
-  f.wg_open.clear();
-}
-inline void wgmma_wait(size_t n) {
-  Fiber& f = block()->fibers[block()->current];
-  while (f.wg_groups.size() > n) {
-    for (const PendingWgmma& op : f.wg_groups.front()) run_wgmma(op);
-    f.wg_groups.erase(f.wg_groups.begin());
-  }
-}
+inline void wgmma_commit() { block()->fibers[block()->current].wgmmas.commit(); }
+inline void wgmma_wait(size_t n) { block()->fibers[block()->current].wgmmas.wait(n, run_wgmma); }
 }  // namespace hf_w4_emu
