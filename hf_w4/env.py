@@ -67,8 +67,9 @@ VARIABLES = (
              "the activations) forced on or off, instead of the rule (on at 9-64 rows of layers of at least three "
              "64-column tiles per SM); read on every call"),
     Variable("HF_W4_CUDA_WGMMA", "C++", "1 / 2 / 4 / 0", "cuda_w4a16: the sm_90a wgmma kernel, blocks of this many "
-             "warpgroups (64 columns each), for every M of the fused path, on compute capability 9.0 with the library "
-             "built for sm_90a (an error elsewhere); not taken unless forced; read on every call"),
+             "warpgroups (64 columns each), for every call of the fused path (M below HF_W4_CUDA_LARGE_M: raise that "
+             "to run it at larger M), on compute capability 9.0 with the library built for sm_90a (an error "
+             "elsewhere); not taken unless forced; read on every call"),
     Variable("HF_W4_CUDA_WGMMA_ROWS", "C++", "64 / 128 / 256", "cuda_w4a16: the wgmma kernel's rows of x per block "
              "instead of the rule (64 up to M = 64, else 128, or 256 with 1 or 2 warpgroups per block where that "
              "still gives every SM two warpgroups); read on every call"),
