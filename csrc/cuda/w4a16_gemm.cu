@@ -1199,7 +1199,9 @@ bool w4a16_wgmma_available() {
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
                          int splits, int wgmma, int wgmma_rows) {
   if (wgmma) {  // wgmma warpgroups x 64 columns by wgmma_rows_for rows; split-K as the fused kernels
-    const int rows = wgmma_rows ? wgmma_rows : wgmma_rows_for(m, npad / 64, wgmma, sms);
+    // (no kernel of 4 warpgroups x 256 rows: the glue refuses that setting, and the rule never picks it)
+    const bool forced = wgmma_rows && !(wgmma == 4 && wgmma_rows == 256);
+    const int rows = forced ? wgmma_rows : wgmma_rows_for(m, npad / 64, wgmma, sms);
     const int bps = w4a16_gemm_blocks_per_sm(rows / 16, 16, bf16, kind, false, wgmma);
     if (blocks_per_sm) *blocks_per_sm = bps;
     GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, wgmma);
