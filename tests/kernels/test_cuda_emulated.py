@@ -40,6 +40,7 @@ def emu(cxx_library):
         [ctypes.POINTER(ctypes.c_int)] * 2
     lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_wgmma_rows.argtypes = [ctypes.c_int] * 5
+    lib.hf_w4_emu_error.restype = ctypes.c_char_p
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -80,7 +81,8 @@ class Layer:
                                 int(dtype == torch.bfloat16), self.kern.global_scale, sms or SMS, mt,
                                 -1 if wide is None else int(wide), splits, wgmma, wgmma_rows,
                                 ctypes.byref(nsplits), ctypes.byref(rows))
-        assert rc == 0, f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero)"
+        assert rc == 0, (f"hf_w4_emu_gemm returned {rc} (-2: a split-K counter left nonzero; -3: "
+                         f"{lib.hf_w4_emu_error().decode()})")
         self.rows = rows.value
         return y, nsplits.value
 
@@ -172,6 +174,25 @@ def test_wgmma_kernel_emulated(emu, name, dtype, warpgroups):
         assert (layer.rows, planned) == (rows, splits or 4), (m, forced, layer.rows, planned)
         check_kernel_output(y, x, wk, g, bias, U[dtype], False,
                             f"{name} {dtype} wgmma={warpgroups} rows={rows} M={m} splits={planned}")
+
+
+@pytest.mark.parametrize("case,error", [(0, None), (1, "that an issued wgmma may still read"),
+                                        (2, "exited with wgmma in flight"), (3, "deadlocked at a barrier")])
+def test_emulation_reports_faults(cxx_library, case, error):
+    """The stand-in's own checks, on kernels built to break them: a copy into the shared memory an issued wgmma reads,
+    a thread exiting with a wgmma in flight and a barrier half the block never reaches come back as errors the tests
+    see (not a crash, not silence); the same kernel with the wgmma waited for comes back clean."""
+    lib = cxx_library(os.path.join(EMU, "emu_faults.cpp"), ["-std=c++20", "-O1", "-Wall", "-Werror",
+                                                            "-fno-extern-tls-init", "-I", EMU, "-I",
+                                                            os.path.join(ROOT, "csrc", "cpu")],
+                      "g++ not found: the CUDA stand-in cannot be built")
+    lib.hf_w4_emu_fault_error.restype = ctypes.c_char_p
+    rc = lib.hf_w4_emu_fault(case)
+    message = lib.hf_w4_emu_fault_error().decode()
+    if error is None:
+        assert rc == 0 and message == "", message
+    else:
+        assert rc == -3 and error in message, (rc, message)
 
 
 def test_wgmma_rows_rule_emulated(emu):

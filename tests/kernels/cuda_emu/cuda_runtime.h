@@ -4,16 +4,17 @@
 // toolkit's headers through the include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
 //
 // Each block runs as one fiber per thread (ucontext) on the calling thread, blocks one after another. Fibers switch
-// only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads /
-// __syncwarp wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a
-// barrier that can never complete aborts with a message. mma.sync m16n8k16 and __shfl_sync are warp collectives:
-// the lanes deposit their registers, meet, and each computes its own result from the warp's; wgmma is a warpgroup
+// only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads / __syncwarp
+// wait for every live thread of the block / warp (exited threads count as arrived, as on sm_70+) and a barrier that can
+// never complete fails the launch with a message. Errors the GPU would show as faults or wrong results (this one, a
+// copy into shared memory that an issued wgmma may still read, a thread exiting with a wgmma in flight) stop the launch
+// and reach the caller as an error (fail()), not a crash. mma.sync m16n8k16 and __shfl_sync are warp collectives: the
+// lanes deposit their registers, meet, and each computes its own result from the warp's; wgmma is a warpgroup
 // collective that runs at the wait for it, as late as the GPU may run it. cp.async copies land at the issuing thread's
-// cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds
-// once to nearest even from the exact fp32 result, as the device does for these operands; the mma sums its 16
-// products in fp32 in k order (the hardware's order is not specified, which the tests' error budgets allow for). Not
-// modelled: timing, memory ordering between blocks (blocks do not run concurrently here), hardware-specific handling
-// of special values.
+// cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds once to nearest even from
+// the exact fp32 result, as the device does for these operands; the mma sums its 16 products in fp32 in k order (the
+// hardware's order is not specified, which the tests' error budgets allow for). Not modelled: timing, memory ordering
+// between blocks (blocks do not run concurrently here), hardware-specific handling of special values.
 #pragma once
 #define HF_W4_CUDA_EMULATE 1
 
@@ -22,6 +23,7 @@
 #include "common/convert.h"  // csrc/cpu: fp32 <-> fp16 / bf16 bits, rounding to nearest even
 
 #include <cmath>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +34,7 @@
 #include <algorithm>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #define __global__
@@ -156,6 +159,7 @@ struct BlockState {
   std::shared_ptr<IssuedWgmma> wg_issued[8];          // the warpgroup's newest wgmma, for its threads to take
   std::vector<std::shared_ptr<IssuedWgmma>> wg_reads;  // wgmma not yet run by every thread: no copies into their B
   std::function<void()> body;
+  bool failed = false;  // a thread called fail(): the grid stops
 };
 
 inline BlockState*& block() {
@@ -187,15 +191,34 @@ inline void release_group(const BlockState* b, GroupBarriers& gb, int w) {
   }
 }
 
+// The first error of the current launch, for the caller (hf_w4_emu_error); empty: none
+inline std::string& launch_error() {
+  static std::string e;
+  return e;
+}
+
+// An error the GPU would show as a fault or as wrong results: recorded as the launch's error (the first one counts),
+// and the calling thread's block stops there; run_grid then runs no further block. Outside a block (the launch's own
+// checks) it returns, and the launch does not run.
+__attribute__((format(printf, 1, 2))) inline void fail(const char* format, ...) {
+  char text[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(text, sizeof text, format, args);
+  va_end(args);
+  if (launch_error().empty()) launch_error() = std::string("hf_w4 CUDA emulation: ") + text;
+  if (BlockState* b = block()) {
+    b->failed = true;
+    swapcontext(&b->fibers[b->current].ctx, &b->scheduler);  // never resumed
+  }
+}
+
 inline void fiber_main() {
   BlockState* b = block();
   b->body();
-  const Fiber& f = b->fibers[b->current];
-  if (!f.wgmmas.empty()) {
-    std::fprintf(stderr, "hf_w4 CUDA emulation: thread %d exited with wgmma in flight (no wgmma.wait_group 0)\n",
-                 tid());
-    std::abort();
-  }
+  if (!b->fibers[b->current].wgmmas.empty())
+    fail("thread %d of block (%u, %u, %u) exited with wgmma in flight (no wgmma.wait_group 0)", tid(), block_idx().x,
+         block_idx().y, block_idx().z);
   b->fibers[b->current].done = true;
   ++b->exited;
   for (GroupBarriers* gb : {&b->warps, &b->warpgroups}) ++gb->exited[tid() / gb->size];
@@ -236,10 +259,7 @@ inline void warpgroup_barrier() { group_barrier(&BlockState::warpgroups); }
 // dependence (e.g. on which split-K block arrives last).
 inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
   const int threads = (int)(blk.x * blk.y * blk.z);
-  if (threads > 1024 || blk.y != 1 || blk.z != 1) {
-    std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) not supported\n", blk.x, blk.y, blk.z);
-    std::abort();
-  }
+  if (threads > 1024 || blk.y != 1 || blk.z != 1) return fail("block (%u, %u, %u) not supported", blk.x, blk.y, blk.z);
   std::unique_ptr<char[]> stacks(new char[threads * kStackBytes]);  // the fibers' stacks, reused block after block
   std::vector<dim3> blocks;
   for (unsigned z = 0; z < grid.z; ++z)
@@ -272,13 +292,16 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
         b.current = t;
         thread_idx() = dim3(t);
         swapcontext(&b.scheduler, &b.fibers[t].ctx);
+        if (b.failed) break;
       }
-      if (b.events == before) {
-        std::fprintf(stderr, "hf_w4 CUDA emulation: block (%u, %u, %u) deadlocked at a barrier\n", bi.x, bi.y, bi.z);
-        std::abort();
+      if (!b.failed && b.events == before) {
+        block() = nullptr;
+        return fail("block (%u, %u, %u) deadlocked at a barrier", bi.x, bi.y, bi.z);
       }
+      if (b.failed) break;  // the other threads' fibers are dropped with their stacks
     }
     block() = nullptr;
+    if (b.failed) return;
   }
 }
 
@@ -286,10 +309,7 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
 template <class K>
 auto launch(K kernel, dim3 grid, dim3 blk, size_t smem) {
   return [=](auto... args) {
-    if (smem > kSharedBytes) {
-      std::fprintf(stderr, "hf_w4 CUDA emulation: %zu bytes of dynamic shared memory\n", smem);
-      std::abort();
-    }
+    if (smem > kSharedBytes) return fail("%zu bytes of dynamic shared memory", smem);
     run_grid(grid, blk, [&] { kernel(args...); });
   };
 }
@@ -306,11 +326,9 @@ inline uint32_t smem_offset(const void* p);
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
   const uint32_t at = smem_offset(smem);
   for (const auto& r : block()->wg_reads)
-    if (at < r->end && at + 16 > r->begin) {
-      std::fprintf(stderr, "hf_w4 CUDA emulation: cp.async into shared memory bytes %u.. that an issued wgmma may "
-                   "still read (%u..%u): wait for it first\n", at, r->begin, r->end);
-      std::abort();
-    }
+    if (at < r->end && at + 16 > r->begin)
+      return fail("cp.async into shared memory bytes %u.. that an issued wgmma may still read (%u..%u): wait for it "
+                  "first", at, r->begin, r->end);
   block()->fibers[block()->current].copies.open.push_back(Copy{smem, full ? gmem : nullptr});
 }
 inline void cp_async_commit() { block()->fibers[block()->current].copies.commit(); }
@@ -471,19 +489,17 @@ inline uint32_t smem_offset(const void* p) {
 // wgmma.mma_async.m64nNk16 (.f32 accumulators, .f16 / .bf16 operands) with A from registers and B from shared memory,
 // as a collective of the calling thread's warpgroup (blocks of whole warpgroups): A's fragments per warp as
 // mma.m16n8k16's (warp w of the warpgroup: rows 16 w ..), B K-major without swizzle through the descriptor (start
-// address, K-direction core-matrix offset, 8-row-group offset, each >> 4; anything else aborts), D as 16 x N per warp:
+// address, K-direction core-matrix offset, 8-row-group offset, each >> 4; anything else fails), D as 16 x N per warp:
 // value i at row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1). Asynchronous as on the GPU, and as
 // late as it may be: each thread's share runs at the wgmma.wait_group that completes it, reading B from shared memory
 // then and writing d then (a kernel that reads d too early gets wrong results here); a cp.async into B's bytes
-// before every thread of the warpgroup has waited for it aborts.
+// before every thread of the warpgroup has waited for it fails the launch.
 template <bool BF16, size_t V>
 void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
   BlockState* bs = block();
   const int me = tid() % 128;
-  if (bs->threads % 128 || (size_t)n != 2 * V || n % 8 || n > 256) {
-    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma needs a block of whole warpgroups and N = 2 x its values\n");
-    std::abort();
-  }
+  if (bs->threads % 128 || (size_t)n != 2 * V || n % 8 || n > 256)
+    return fail("wgmma needs a block of whole warpgroups and N = 2 x its values");
   WarpgroupSlots& wg = bs->warpgroup[tid() / 128];
   for (int i = 0; i < 4; ++i) wg.a[me][i] = a[i];
   wg.desc[me] = desc;
@@ -493,11 +509,9 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
   bool same = true;
   for (int t = 0; t < 128; ++t) same = same && wg.desc[t] == desc;
   if (!same || (desc >> 49) != 0 || (desc & 0xc000ull) || (desc & 0xc0000000ull) || ((desc >> 46) & 7) ||
-      start + (size_t)(n / 8 - 1) * sbo + lbo + 128 > kSharedBytes) {
-    std::fprintf(stderr, "hf_w4 CUDA emulation: wgmma descriptor %llx not supported (one for all threads, no "
-                 "swizzle, base offset 0, inside shared memory)\n", (unsigned long long)desc);
-    std::abort();
-  }
+      start + (size_t)(n / 8 - 1) * sbo + lbo + 128 > kSharedBytes)
+    return fail("wgmma descriptor %llx not supported (one for all threads, no swizzle, base offset 0, inside shared "
+                "memory)", (unsigned long long)desc);
   if (me == 0) {
     auto op = std::make_shared<IssuedWgmma>();
     op->a = wg;

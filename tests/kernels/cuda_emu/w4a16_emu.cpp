@@ -55,6 +55,7 @@ extern "C" {
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
                    int mt, int wide, int force_splits, int wgmma, int wgmma_rows, int* splits, int* rows) {
+  hf_w4_emu::launch_error().clear();
   const int npad = (n + 63) / 64 * 64;
   const GemmPlan plan =
       w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma, wgmma_rows);
@@ -83,6 +84,7 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
   a.kind = kind;
   a.bf16 = bf16 != 0;
   if (w4a16_gemm(a, plan, nullptr) != cudaSuccess) return -1;
+  if (!hf_w4_emu::launch_error().empty()) return -3;
   std::memcpy(y, gy.data, (size_t)m * n * 2);
   for (int i = 0; i < plan.counters; ++i)  // the kernel leaves every split-K counter zero
     if (static_cast<int*>(gc.data)[i]) return -2;
@@ -96,6 +98,9 @@ void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, in
   std::memcpy(out, v, sizeof(v));
 }
 
+// The error that stopped the last launch (a return value of -3), e.g. a barrier that cannot complete
+const char* hf_w4_emu_error() { return hf_w4_emu::launch_error().c_str(); }
+
 // The wgmma plan's rows of x per block for (M, N, K) with nwg warpgroups per block on `sms` SMs
 int hf_w4_emu_wgmma_rows(int m, int n, int k, int nwg, int sms) {
   return w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, true, kInt4Sym, sms, 0, -1, nullptr, 0, nwg).bm;
@@ -103,12 +108,14 @@ int hf_w4_emu_wgmma_rows(int m, int n, int k, int nwg, int sms) {
 
 int hf_w4_emu_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int k,
                       int group_size, float global_scale, int kind, int bf16) {
+  hf_w4_emu::launch_error().clear();
   const int npad = (n + 63) / 64 * 64, gs = kind == kNvfp4 ? 16 : group_size;
   Guarded gq(qpack, qpack_bytes(npad, k)), gsc(scales, scale_bytes(npad, k, gs, kind)),
       gz(kind == kInt4Asym ? zeros : nullptr, zero_bytes(npad, k, gs, kind)), gw(nullptr, (size_t)n * k * 2);
   if (w4a16_dequant(static_cast<const int32_t*>(gq.data), gsc.data, static_cast<const uint8_t*>(gz.data), gw.data, n,
                     npad, k, gs, global_scale, kind, bf16 != 0, nullptr) != cudaSuccess)
     return -1;
+  if (!hf_w4_emu::launch_error().empty()) return -3;
   std::memcpy(w, gw.data, (size_t)n * k * 2);
   return 0;
 }

@@ -1,0 +1,55 @@
+// Kernels that break the rules the CUDA stand-in (cuda_runtime.h) checks, one per case, as a ctypes library for
+// tests/kernels/test_cuda_emulated.py: each launch must come back with the stand-in's error, not a crash and not
+// silence, so a kernel of w4a16_gemm.cu that broke the same rule would fail its tests the same way.
+#include "cuda_runtime.h"
+
+#include <cstdint>
+
+namespace {
+
+using hf_w4::cuda::smem;
+
+// A warpgroup's wgmma on B at the start of shared memory (K-major, no swizzle: 8-row groups 256 bytes apart, the
+// two k halves 128 bytes apart), then what `fault` asks for
+void wgmma_kernel(int fault) {
+  float d[32] = {};
+  const uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  const uint64_t desc = (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;  // start 0
+  hf_w4_emu::wgmma_m64k16_async<false>(d, a, desc, 64);
+  hf_w4_emu::wgmma_commit();
+  if (fault == 0) {  // waited for by every thread of the warpgroup: B's bytes are free again
+    hf_w4_emu::wgmma_wait(0);
+    __syncthreads();
+  }
+  if (fault <= 1) {  // a copy into B: fine after the wait, a hazard before it
+    static const uint4 src{};
+    hf_w4_emu::cp_async16(&smem[threadIdx.x % 64], &src);
+    hf_w4_emu::cp_async_commit();
+    hf_w4_emu::cp_async_wait(0);
+  }
+  if (fault == 1) hf_w4_emu::wgmma_wait(0);
+  // fault 2: the thread exits with the wgmma in flight
+}
+
+// Half the warp waits at the warp's barrier, the other half at the block's: neither can complete
+void deadlock_kernel() {
+  if (threadIdx.x < 16) __syncwarp();
+  else __syncthreads();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Launches fault case `which` (0: no fault; 1: cp.async into an in-flight wgmma's B; 2: a thread exits with a wgmma in
+// flight; 3: a barrier that cannot complete); 0 if the launch came back without an error, else -3 (the error:
+// hf_w4_emu_fault_error)
+int hf_w4_emu_fault(int which) {
+  hf_w4_emu::launch_error().clear();
+  if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
+  else hf_w4_emu::launch(wgmma_kernel, dim3(2), dim3(128), 0)(which);
+  return hf_w4_emu::launch_error().empty() ? 0 : -3;
+}
+
+const char* hf_w4_emu_fault_error() { return hf_w4_emu::launch_error().c_str(); }
+}
