@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 // and also wgmma's A layout for rows 16 w .. 16 w + 15 of the 64; B (ROWS x 16) is the rows of x in shared memory,
 // K-major in 8 x 16-byte core matrices (no swizzle). D holds y^T: 64 columns x ROWS rows. A block holds NWG
 // warpgroups on NWG adjacent column tiles that share the staged rows of x: the rows are read from L2 once per NWG
-// tiles, and the 4-bit weights are a quarter of the bytes of the rows they multiply (ROWS = 128: 8 KB of x and 512 B
+// tiles, and the 4-bit weights are an eighth of the bytes of the rows they multiply (ROWS = 128: 4 KB of x and 512 B
 // of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold.
 // Taken only where forced (HF_W4_CUDA_WGMMA) until a GPU run has measured it; the body exists only in sm_90a code.
 // chunks in the block's ring: 3 in flight while one is computed and the previous one's last wgmma may still read its
@@ -1118,7 +1118,6 @@ void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) 
   else if (p.wide) launch_gemm_tiling<BF16, KIND, true>(a, p, stream);
   else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
 }
-
 
 template <bool BF16>
 void launch_gemm_kind(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {

@@ -115,8 +115,9 @@ int splits_override() {
   return plan_setting("HF_W4_CUDA_SPLITS", 0, [](int v) { return v > 0; }, "a positive number of K splits");
 }
 
-// HF_W4_CUDA_WGMMA=n (1, 2 or 4): the sm_90a wgmma kernel with blocks of n warpgroups (64 columns each) for every M,
-// where this GPU and build have it; 0 or unset: not (no rule takes it until a GPU run has measured it)
+// HF_W4_CUDA_WGMMA=n (1, 2 or 4): the sm_90a wgmma kernel with blocks of n warpgroups (64 columns each) for every call
+// of the fused path, where this GPU and build have it; 0 or unset: not (no rule takes it until a GPU run has measured
+// it)
 int wgmma_forced() {
   const int n = plan_setting("HF_W4_CUDA_WGMMA", 0, [](int v) { return v == 0 || v == 1 || v == 2 || v == 4; },
                              "1, 2 or 4 (the sm_90a wgmma kernel, warpgroups per block) or 0 (not)");

@@ -38,8 +38,7 @@ def emu(cxx_library):
                       "g++ not found: the emulated CUDA kernels cannot be built")
     lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 6 + \
         [ctypes.POINTER(ctypes.c_int)] * 2
-    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
-    lib.hf_w4_emu_wgmma_rows.argtypes = [ctypes.c_int] * 5
+    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_error.restype = ctypes.c_char_p
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
@@ -200,7 +199,7 @@ def test_wgmma_rows_rule_emulated(emu):
     where the 256-row blocks still give every SM two warpgroups (132 SMs: 264 of them)."""
     for m, n, nwg, rows in ((64, 64, 1, 64), (65, 64, 1, 128), (128, 28672, 1, 128), (129, 28672, 1, 256),
                             (129, 28672, 4, 128), (2048, 4096, 2, 256), (1024, 4096, 2, 128), (2048, 1024, 1, 128)):
-        assert emu.hf_w4_emu_wgmma_rows(m, n, 4096, nwg, SMS) == rows, (m, n, nwg)
+        assert _plan(emu, m, n, 4096, SMS, wgmma=nwg)["mt"] * 16 == rows, (m, n, nwg)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
@@ -219,9 +218,9 @@ def test_forced_splits_emulated(emu, wide):
         check_kernel_output(y, x, wk, 1.0, None, U[torch.bfloat16], False, f"wide={wide} splits={forced}")
 
 
-def _plan(lib, m, n, k, sms, mt=0, wide=-1, splits=0):
+def _plan(lib, m, n, k, sms, mt=0, wide=-1, splits=0, wgmma=0):
     out = (ctypes.c_int * 6)()
-    lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, splits, out)
+    lib.hf_w4_emu_plan(m, n, k, 1, 0, sms, mt, wide, splits, wgmma, out)
     return dict(zip(("mt", "mr", "mblocks", "ntiles", "splits", "wide"), out))
 
 

@@ -87,19 +87,18 @@ struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmm
   uint64_t desc[128];
 };
 
-// An issued wgmma of a warpgroup: its A fragments as issued and the shared memory its B occupies, until all 128
-// threads have run their share
+// An issued wgmma of a warpgroup: its A fragments as issued and its B in shared memory (the descriptor decoded:
+// start, K-direction core-matrix offset, 8-row-group offset, bytes), until all 128 threads have run their share
 struct IssuedWgmma {
   WarpgroupSlots a;
-  uint32_t begin, end;  // B's bytes in shared memory
+  bool bf16;
+  uint32_t start, lbo, sbo, end;  // end: past B's last byte
   int left = 128;
 };
 // One thread's share of an issued wgmma: B is read from shared memory and d written when the thread waits for it
 struct PendingWgmma {
   float* d;
   size_t values;
-  bool bf16;
-  uint64_t desc;
   std::shared_ptr<IssuedWgmma> op;
 };
 
@@ -326,9 +325,9 @@ inline uint32_t smem_offset(const void* p);
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
   const uint32_t at = smem_offset(smem);
   for (const auto& r : block()->wg_reads)
-    if (at < r->end && at + 16 > r->begin)
+    if (at < r->end && at + 16 > r->start)
       return fail("cp.async into shared memory bytes %u.. that an issued wgmma may still read (%u..%u): wait for it "
-                  "first", at, r->begin, r->end);
+                  "first", at, r->start, r->end);
   block()->fibers[block()->current].copies.open.push_back(Copy{smem, full ? gmem : nullptr});
 }
 inline void cp_async_commit() { block()->fibers[block()->current].copies.commit(); }
@@ -515,43 +514,44 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
   if (me == 0) {
     auto op = std::make_shared<IssuedWgmma>();
     op->a = wg;
-    op->begin = start;
+    op->bf16 = BF16;
+    op->start = start;
+    op->lbo = lbo;
+    op->sbo = sbo;
     op->end = start + (uint32_t)(n / 8 - 1) * sbo + lbo + 128;
     bs->wg_issued[tid() / 128] = op;
     bs->wg_reads.push_back(op);
   }
   warpgroup_barrier();  // the record exists; every thread has taken the deposits
-  bs->fibers[bs->current].wgmmas.open.push_back(PendingWgmma{d, V, BF16, desc, bs->wg_issued[tid() / 128]});
+  bs->fibers[bs->current].wgmmas.open.push_back(PendingWgmma{d, V, bs->wg_issued[tid() / 128]});
 }
 
-inline void run_wgmma(const PendingWgmma& op) {
-  const uint64_t desc = op.desc;
-  const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4,
-                 sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+inline void run_wgmma(const PendingWgmma& share) {
+  const IssuedWgmma& op = *share.op;
   auto half = [&](uint32_t v, int h) {
     const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
     return op.bf16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
   };
-  const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem) + start;
+  const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem) + op.start;
   auto A = [&](int row, int k) {
     const int r = row % 16;
-    return half(op.op->a.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
+    return half(op.a.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
   };
   auto B = [&](int k, int col) {
     uint16_t v;
-    std::memcpy(&v, base + (size_t)(col / 8) * sbo + (size_t)(k / 8) * lbo + (col % 8) * 16 + (k % 8) * 2, 2);
+    std::memcpy(&v, base + (size_t)(col / 8) * op.sbo + (size_t)(k / 8) * op.lbo + (col % 8) * 16 + (k % 8) * 2, 2);
     return half(v, 0);
   };
   const int me = tid() % 128, w = me / 32, g = (me & 31) >> 2, t = me & 3;
-  for (size_t i = 0; i < op.values; ++i) {
+  for (size_t i = 0; i < share.values; ++i) {
     const int row = 16 * w + g + 8 * (int)((i >> 1) & 1), col = 8 * (int)(i >> 2) + 2 * t + (int)(i & 1);
-    float s = op.d[i];
+    float s = share.d[i];
     for (int k = 0; k < 16; ++k) s = std::fmaf(A(row, k), B(k, col), s);
-    op.d[i] = s;
+    share.d[i] = s;
   }
-  if (--op.op->left == 0) {
+  if (--share.op->left == 0) {
     auto& reads = block()->wg_reads;
-    reads.erase(std::find(reads.begin(), reads.end(), op.op));
+    reads.erase(std::find(reads.begin(), reads.end(), share.op));
   }
 }
 

@@ -92,19 +92,17 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
 }
 
 // The plan itself (for the tests of its rules, with this stand-in's occupancy): mt, mr, m-blocks, tiles, splits, wide
-void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, int wide, int force_splits, int* out) {
-  const GemmPlan p = w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits);
+// (wgmma = 1, 2, 4: the wgmma kernel's plan, whose mt is its rows / 16)
+void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, int wide, int force_splits, int wgmma,
+                    int* out) {
+  const GemmPlan p =
+      w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma);
   const int v[6] = {p.mt, p.mr, p.mblocks, p.ntiles, p.splits, p.wide ? 1 : 0};
   std::memcpy(out, v, sizeof(v));
 }
 
 // The error that stopped the last launch (a return value of -3), e.g. a barrier that cannot complete
 const char* hf_w4_emu_error() { return hf_w4_emu::launch_error().c_str(); }
-
-// The wgmma plan's rows of x per block for (M, N, K) with nwg warpgroups per block on `sms` SMs
-int hf_w4_emu_wgmma_rows(int m, int n, int k, int nwg, int sms) {
-  return w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, true, kInt4Sym, sms, 0, -1, nullptr, 0, nwg).bm;
-}
 
 int hf_w4_emu_dequant(const int32_t* qpack, const void* scales, const uint8_t* zeros, void* w, int n, int k,
                       int group_size, float global_scale, int kind, int bf16) {
