@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import contextlib
 import statistics
 import sys
 from typing import Optional
@@ -115,31 +116,34 @@ def path(m: int, n: int, k: int, large: int) -> str:
     return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
+@contextlib.contextmanager
+def _setting(env: dict):
+    """The plan's variables of ``env`` set (the library reads them per call), and removed again after."""
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var in env:
+            del os.environ[var]
+
+
 def _honoured(var: str, value: int, field: int, also: Optional[dict] = None, expect: Optional[int] = None) -> bool:
     """Whether the library's plan takes var=value (with the variables ``also`` set: field ``field`` of
     cuda_w4a16_plan at M = 1 on 4096 x 4096 then equals ``expect``, by default the value): a baseline tree may refuse
     the value or ignore the variable."""
-    env = {**(also or {}), var: str(value)}
-    os.environ.update(env)
-    try:
-        return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == (
-            value if expect is None else expect)
-    except (RuntimeError, IndexError):  # refused, or a plan without that field
-        return False
-    finally:
-        for v in env:
-            del os.environ[v]
+    with _setting({**(also or {}), var: str(value)}):
+        try:
+            return torch.ops.hf_w4.cuda_w4a16_plan(1, 4096, 4096, "int4", False, True)[field] == (
+                value if expect is None else expect)
+        except (RuntimeError, IndexError):  # refused, or a plan without that field
+            return False
 
 
 def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
     """Microseconds per call of the fused kernel (int4, bf16) with the variables of ``env`` set around it."""
-    os.environ.update(env)
-    try:
+    with _setting(env):
         return timed(lambda i: torch.ops.hf_w4.cuda_w4a16_gemm(x, i4[i][0], i4[i][2], None, None, n, 128, "int4", 1.0),
                      copies, calls)
-    finally:
-        for var in env:
-            del os.environ[var]
 
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
@@ -169,12 +173,8 @@ def _wgmma_lines(record: dict) -> list:
             env = {"HF_W4_CUDA_WGMMA": str(g), "HF_W4_CUDA_WGMMA_ROWS": r}
             cells = []
             for m in WGMMA_MS:
-                os.environ.update(env)
-                try:
+                with _setting(env):
                     rows = 16 * torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
-                finally:
-                    for var in env:
-                        del os.environ[var]
                 us = _fused_us(env, xs[m], i4, n, cq, 20 if m <= 64 else 5)
                 main = record["times"].get(f"{n}x{k} M={m}", {})
                 cells.append(f"M={m} {us:7.1f} r{rows}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 bf16'] / us:.2f}x)"
