@@ -10,11 +10,13 @@ namespace {
 using hf_w4::cuda::smem;
 
 // A warpgroup's wgmma on B at the start of shared memory (K-major, no swizzle: 8-row groups 256 bytes apart, the
-// two k halves 128 bytes apart), then what `fault` asks for
+// two k halves 128 bytes apart; fault 4: with a swizzle mode, which the stand-in does not model), then what `fault`
+// asks for
 void wgmma_kernel(int fault) {
   float d[32] = {};
   const uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
-  const uint64_t desc = (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;  // start 0
+  const uint64_t swizzle = fault == 4 ? 1ull << 62 : 0;  // 128-byte swizzle
+  const uint64_t desc = (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32 | swizzle;  // start 0
   hf_w4_emu::wgmma_m64k16_async<false>(d, a, desc, 64);
   hf_w4_emu::wgmma_commit();
   if (fault == 0) {  // waited for by every thread of the warpgroup: B's bytes are free again
@@ -42,12 +44,12 @@ void deadlock_kernel() {
 extern "C" {
 
 // Launches fault case `which` (0: no fault; 1: cp.async into an in-flight wgmma's B; 2: a thread exits with a wgmma in
-// flight; 3: a barrier that cannot complete); 0 if the launch came back without an error, else -3 (the error:
-// hf_w4_emu_fault_error)
+// flight; 3: a barrier that cannot complete; 4: a swizzled wgmma descriptor; 5: more dynamic shared memory than an
+// SM has); 0 if the launch came back without an error, else -3 (the error: hf_w4_emu_fault_error)
 int hf_w4_emu_fault(int which) {
   hf_w4_emu::launch_error().clear();
   if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
-  else hf_w4_emu::launch(wgmma_kernel, dim3(2), dim3(128), 0)(which);
+  else hf_w4_emu::launch(wgmma_kernel, dim3(2), dim3(128), which == 5 ? hf_w4_emu::kSharedBytes + 16 : 0)(which);
   return hf_w4_emu::launch_error().empty() ? 0 : -3;
 }
 
