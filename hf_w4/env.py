@@ -57,7 +57,8 @@ VARIABLES = (
              "build it (default: $TORCH_EXTENSIONS_DIR or ~/.cache/hf_w4, per torch and CUDA version)"),
     Variable("HF_W4_CUDA_VERBOSE", "Python", "1", "show the compiler commands of the CUDA JIT build"),
     Variable("HF_W4_CUDA_LARGE_M", "Python", "a number of rows", "cuda_w4a16: from this many rows on, dequantize the "
-             "layer and run cuBLAS instead of the fused kernel (default 128; read when a layer is prepared)"),
+             "layer and run cuBLAS instead of the fused kernel (default 128, 320 where the fused path is the wgmma "
+             "kernel; read when a layer is prepared)"),
     Variable("HF_W4_CUDA_MT", "C++", "1 / 2 / 4", "cuda_w4a16's fused kernel: m16 row tiles per block instead of the "
              "rule (1 up to 32 rows or below K = 8192, else 2; 2 at 9-16 rows where one wave of such blocks holds the "
              "layer; 4 only when forced); read on every call"),
@@ -67,9 +68,10 @@ VARIABLES = (
              "the activations) forced on or off, instead of the rule (on at 9-64 rows of layers of at least three "
              "64-column tiles per SM); read on every call"),
     Variable("HF_W4_CUDA_WGMMA", "C++", "1 / 2 / 4 / 0", "cuda_w4a16: the sm_90a wgmma kernel, blocks of this many "
-             "warpgroups (64 columns each), for every call of the fused path (M below HF_W4_CUDA_LARGE_M: raise that "
-             "to run it at larger M), on compute capability 9.0 with the library built for sm_90a (an error "
-             "elsewhere); not taken unless forced; read on every call"),
+             "warpgroups (64 columns each), for every call of the fused path (M below HF_W4_CUDA_LARGE_M), on compute "
+             "capability 9.0 with the library built for sm_90a (an error elsewhere); 0: never; unset: the rule "
+             "(4 warpgroups from M = 64 on layers of at least 2^25 weights, where the device has the kernel and "
+             "HF_W4_CUDA_MT / HF_W4_CUDA_WIDE are unset); read on every call"),
     Variable("HF_W4_CUDA_WGMMA_ROWS", "C++", "64 / 128 / 256", "cuda_w4a16: the wgmma kernel's rows of x per block "
              "instead of the rule (64 up to M = 64, else 128, or 256 with 1 or 2 warpgroups per block where that "
              "still gives every SM two warpgroups); read on every call"),

@@ -38,9 +38,14 @@ struct GemmArgs {
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
                          int splits = 0, int wgmma = 0, int wgmma_rows = 0);
 
+// The wgmma kernel's warpgroups per block the fused path takes by default for an M x Npad x K call where the device
+// has the kernel (4 from M = 64 on layers of at least 2^25 weights), or 0: the mma.sync kernels.
+int w4a16_wgmma_rule(int m, int npad, int k);
+
 // Whether the wgmma kernel runs on the current device (compute capability 9.0 and the library built for sm_90a);
-// the first call per device launches a probe and waits for it.
-bool w4a16_wgmma_available();
+// the first call per device launches a probe and waits for it, or, with may_probe false (e.g. while a CUDA graph
+// is captured, where that wait is not allowed), says no while the answer is not known yet.
+bool w4a16_wgmma_available(bool may_probe = true);
 
 // y = x @ W^T (+ bias), fused dequantization; returns the launch error, if any.
 cudaError_t w4a16_gemm(const GemmArgs& a, const GemmPlan& plan, cudaStream_t stream);

@@ -116,13 +116,13 @@ int splits_override() {
 }
 
 // HF_W4_CUDA_WGMMA=n (1, 2 or 4): the sm_90a wgmma kernel with blocks of n warpgroups (64 columns each) for every call
-// of the fused path, where this GPU and build have it; 0 or unset: not (no rule takes it until a GPU run has measured
-// it)
-int wgmma_forced() {
-  const int n = plan_setting("HF_W4_CUDA_WGMMA", 0, [](int v) { return v == 0 || v == 1 || v == 2 || v == 4; },
+// of the fused path, an error where this GPU or build has none; 0: never; unset (-1): w4a16_wgmma_rule where the
+// device has the kernel and no tiling of the mma.sync kernels is forced
+int wgmma_setting() {
+  const int n = plan_setting("HF_W4_CUDA_WGMMA", -1, [](int v) { return v == 0 || v == 1 || v == 2 || v == 4; },
                              "1, 2 or 4 (the sm_90a wgmma kernel, warpgroups per block) or 0 (not)");
-  TORCH_CHECK(!n || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=", n, ": the wgmma kernel needs a GPU of compute "
-              "capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
+  TORCH_CHECK(n <= 0 || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=", n, ": the wgmma kernel needs a GPU of "
+              "compute capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
   return n;
 }
 
@@ -137,9 +137,16 @@ int wgmma_rows_override(int warpgroups) {
 
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
-  const int wgmma = wgmma_forced();
-  return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt_override(), wide_kernel(),
-                         blocks_per_sm, splits_override(), wgmma, wgmma ? wgmma_rows_override(wgmma) : 0);
+  const int mt = mt_override(), wide = wide_kernel();
+  int wgmma = wgmma_setting();
+  if (wgmma < 0) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+    const int rule = !mt && wide < 0 ? w4a16_wgmma_rule((int)m, (int)npad, (int)k) : 0;
+    wgmma = rule && w4a16_wgmma_available(capture == cudaStreamCaptureStatusNone) ? rule : 0;
+  }
+  return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt, wide, blocks_per_sm,
+                         splits_override(), wgmma, wgmma ? wgmma_rows_override(wgmma) : 0);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

@@ -5,11 +5,12 @@ bf16 activations, on NVIDIA GPUs of compute capability 8.0 or newer (sm_80 / sm_
 layer at once): the codes go into the mma.sync m16n8k16 B-fragment order (:func:`pack_fragments`, layout in
 csrc/cuda/w4a16_math.cuh), int4 scales into fp16 and bf16 copies (one rounding of the checkpoint's scales into the
 activation type) and zero points into bytes, NVFP4 block scales stay E4M3 bytes; GPTQ act-order becomes a K
-permutation of the activations. ``apply`` runs, for up to ``HF_W4_CUDA_LARGE_M`` - 1 rows (default 127), the fused
-kernel (weights streamed once, dequantized in registers with magic-number fp16 / bf16 conversions, fp32 mma
-accumulators, split-K where N is small) and above that dequantizes the layer into a transient fp16 / bf16 weight for
-the dense GEMM (cuBLAS). NVFP4's global scale is applied in fp32 before the output cast. fp32 activations (not a
-declared dtype; only reached when forced) run through a bf16 dequantization.
+permutation of the activations. ``apply`` runs, for up to ``HF_W4_CUDA_LARGE_M`` - 1 rows (default 127; 319
+where the fused path is the sm_90a wgmma kernel), the fused kernel (weights streamed once, dequantized in registers
+with magic-number fp16 / bf16 conversions, fp32 accumulators, split-K where N is small) and above that dequantizes
+the layer into a transient fp16 / bf16 weight for the dense GEMM (cuBLAS). NVFP4's global scale is applied in fp32
+before the output cast. fp32 activations (not a declared dtype; only reached when forced) run through a bf16
+dequantization.
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ from .registry import register
 TILE_N, TILE_K = 64, 16
 
 
-def large_m() -> int:
-    """Rows from which apply takes dequantize + dense GEMM instead of the fused kernel (``HF_W4_CUDA_LARGE_M``)."""
-    v = env.text("HF_W4_CUDA_LARGE_M") or "128"
+def large_m(wgmma: bool = False) -> int:
+    """Rows from which apply takes dequantize + dense GEMM instead of the fused kernel: ``HF_W4_CUDA_LARGE_M``, else
+    128, or 320 for a layer whose fused path is the sm_90a wgmma kernel (``wgmma``; on an H100 it beat dequantize +
+    cuBLAS by 1.02-1.35x at M = 256 and lost by 0.80-0.88x at M = 512 on the layers it is taken for)."""
+    v = env.text("HF_W4_CUDA_LARGE_M") or ("320" if wgmma else "128")
     try:
         return int(v)
     except ValueError:
@@ -156,7 +159,14 @@ class CudaW4A16Kernel(Kernel):
         self.weight_type = qw.weight_type
         self.group_size = 16 if qw.weight_type == "nvfp4" else qw.group_size
         self.global_scale = float(qw.global_scale) if qw.global_scale is not None else 1.0
-        self.large_m = large_m()  # read here, not per call: apply stays free of environment lookups (torch.compile)
+        # does the fused path take the wgmma kernel on this layer and device? (asking also runs the device's one
+        # wgmma probe here, not inside a later CUDA graph capture)
+        q, wgmma = layer.cuda_w4a16_q, False
+        if q.is_cuda:
+            with torch.cuda.device(q.device):
+                plan = torch.ops.hf_w4.cuda_w4a16_plan(256, self.n, self.k, qw.weight_type, zeros is not None, True)
+            wgmma = plan[7] > 0
+        self.large_m = large_m(wgmma)  # here, not per call: apply stays free of environment lookups (torch.compile)
 
     CAN_UNPACK_CODES = True
 

@@ -2,14 +2,16 @@
 
 Per Llama-3 layer shape (N x K: 1024x4096, without speed targets, then 4096x4096, 14336x4096, 4096x14336,
 28672x8192) and M: dense F.linear in fp16 and
-bf16, int4 (group 128, symmetric) and NVFP4 in fp16 and bf16 through the layer's own choice (fused kernel below
-HF_W4_CUDA_LARGE_M rows, dequantize + cuBLAS from there), both paths separately (the crossover), and
+bf16, int4 (group 128, symmetric) and NVFP4 in fp16 and bf16 through the layer's own choice (fused kernels below
+the layer's large M: HF_W4_CUDA_LARGE_M, default 128, or 320 where the fused path is the sm_90a wgmma kernel;
+dequantize + cuBLAS from there), both paths separately (the crossover), and
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
 the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
 replays. Columns: microseconds per call, speed-up over dense in the same
 dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
-last, the path the layer takes at this M (bf16): "deq+mm", or "fused" with the fused kernel's k splits and resident
-blocks per SM for int4 / NVFP4.
+last, the path the layer takes at this M (bf16): "deq+mm", "fused" (the mma.sync kernels) or "wgmma" (warpgroups x
+rows per block) with the k splits and resident blocks per SM for int4 / NVFP4. Then the fused kernel's tilings and the
+wgmma kernel's variants against the main table.
 
     python tests/gpu/bench_cuda.py [--json FILE]        # the table (and its times as JSON)
     python tests/gpu/bench_cuda.py --compare BASE NEW   # two JSON files of one run: NEW's time / BASE's per cell
@@ -35,7 +37,7 @@ from hf_w4.kernels import cuda_w4a16 as cw
 TARGET_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]   # (N, K), with speed targets
 # and Llama-3 8B's k / v projections (grouped-query attention: N = 1024), the smallest call of a decode step
 SHAPES = [(1024, 4096)] + TARGET_SHAPES
-MS = [1, 4, 16, 64, 256, 1024, 2048]
+MS = [1, 4, 16, 64, 256, 512, 1024, 2048]
 ROUNDS = 7
 L2_BYTES = 50 << 20
 
@@ -104,8 +106,19 @@ def packed(n: int, k: int, wt: str, copies: int):
     return out
 
 
+def _wgmma(plan: list) -> int:
+    """The plan's wgmma warpgroups (0: an mma.sync kernel; a baseline tree's plan may not have the field)."""
+    return plan[7] if len(plan) > 7 else 0
+
+
+def layer_large_m(n: int, k: int) -> int:
+    """The rows from which a layer of N x K dequantizes for cuBLAS (as CudaW4A16Kernel.prepare decides it)."""
+    return cw.large_m(_wgmma(torch.ops.hf_w4.cuda_w4a16_plan(256, n, k, "int4", False, True)) > 0)
+
+
 def path(m: int, n: int, k: int, large: int) -> str:
-    """The layer's path at M rows (bf16): dequantize + cuBLAS, or the fused kernel's splits and blocks per SM."""
+    """The layer's path at M rows (bf16): dequantize + cuBLAS, or the fused kernel (wgmma: its warpgroups and rows
+    per block) with its splits and blocks per SM."""
     if m >= large:
         return "deq+mm"
     try:
@@ -113,7 +126,8 @@ def path(m: int, n: int, k: int, large: int) -> str:
         f4 = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "nvfp4", False, True)
     except Exception as e:  # noqa: BLE001 - a report column only
         return f"fused (plan n/a: {type(e).__name__})"
-    return f"fused{' wide' if i4[6] else ''} mt{i4[0]} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
+    kind = f"wgmma {_wgmma(i4)}x{16 * i4[0]}" if _wgmma(i4) else f"fused{' wide' if i4[6] else ''} mt{i4[0]}"
+    return f"{kind} splits {i4[3]}/{f4[3]} blk/SM {i4[5]}/{f4[5]}"
 
 
 @contextlib.contextmanager
@@ -148,21 +162,21 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
-# the sm_90a wgmma kernel, against the main table's bf16 paths: (HF_W4_CUDA_WGMMA = warpgroups per block,
-# HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
-WGMMA_MS = (64, 256, 1024, 2048)
-WGMMA_VARIANTS = ((1, ""), (2, ""), (4, ""), (2, "128"), (2, "256"))
+# the sm_90a wgmma kernel, against the main table's dense and dequantize + cuBLAS times: (HF_W4_CUDA_WGMMA =
+# warpgroups per block, HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
+WGMMA_MS = (32, 64, 256, 512, 1024)
+WGMMA_VARIANTS = ((0, ""), (4, ""), (2, ""), (4, "64"), (4, "128"))  # 0: the mma.sync kernels
 
 
 def _wgmma_lines(record: dict) -> list:
-    """The wgmma kernel (int4 bf16, forced) in each of WGMMA_VARIANTS at WGMMA_MS on every shape, where this GPU and
-    build have it: microseconds, the rows per block its plan took and, in brackets, the time of dense bf16 and of the
-    path the library takes now (the fused kernel up to M = 127, else dequantize + cuBLAS; both from the main table) /
-    its own; also into ``record``. Run last: a kernel that faults must not cost the other results."""
+    """The fused path (int4 bf16) with each of WGMMA_VARIANTS forced (0: the mma.sync kernels) at WGMMA_MS on every
+    shape, where this GPU and build have the wgmma kernel: microseconds, the rows per block its plan took and, in
+    brackets, the time of dense bf16 and of dequantize + cuBLAS (both from the main table) / its own; also into
+    ``record``. Run last: a kernel that faults must not cost the other results."""
     if not _honoured("HF_W4_CUDA_WGMMA", 1, 7):
         return ["wgmma kernel: not available here (needs compute capability 9.0 and an sm_90a build)"]
     # a baseline tree may have one warpgroup and 128 rows only
-    variants = [(g, r) for g, r in WGMMA_VARIANTS if _honoured("HF_W4_CUDA_WGMMA", g, 7) and
+    variants = [(g, r) for g, r in WGMMA_VARIANTS if (not g or _honoured("HF_W4_CUDA_WGMMA", g, 7)) and
                 (not r or _honoured("HF_W4_CUDA_WGMMA_ROWS", int(r), 0, {"HF_W4_CUDA_WGMMA": str(g)}, int(r) // 16))]
     lines = []
     for n, k in SHAPES:
@@ -177,8 +191,8 @@ def _wgmma_lines(record: dict) -> list:
                     rows = 16 * torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)[0]
                 us = _fused_us(env, xs[m], i4, n, cq, 20 if m <= 64 else 5)
                 main = record["times"].get(f"{n}x{k} M={m}", {})
-                cells.append(f"M={m} {us:7.1f} r{rows}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 bf16'] / us:.2f}x)"
-                                                            if "bf16" in main and "i4 bf16" in main else ""))
+                cells.append(f"M={m} {us:7.1f} r{rows}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 deq'] / us:.2f}x)"
+                                                            if "bf16" in main and "i4 deq" in main else ""))
                 record["tilings"][f"{n}x{k} M={m} wgmma={g} rows={r or 'rule'}"] = us
             lines.append(f"{f'{n}x{k}':>12} wg={g} rows={r or 'rule':>4} | " + " | ".join(cells))
         i4 = xs = None
@@ -194,7 +208,7 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
     for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
-        rule = (plan[0], str(plan[6]))
+        rule = (plan[0], str(plan[6])) if not _wgmma(plan) else None
         for mt in (mt for mt in mts if _honoured("HF_W4_CUDA_MT", mt, 0)):
             for wide in ("0", "1"):
                 us = _fused_us({"HF_W4_CUDA_MT": str(mt), "HF_W4_CUDA_WIDE": wide}, x, i4, n, copies,
@@ -245,9 +259,9 @@ def main(argv=None) -> int:
         print(f"cuda_w4a16 is not usable here: {why}")
         return 1
     peak = peak_bandwidth()
-    large = cw.large_m()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
-          f"bandwidth {peak / 1e12:.2f} TB/s; fused kernel below M={large}, dequantize + cuBLAS from there")
+          f"bandwidth {peak / 1e12:.2f} TB/s; fused kernels below M={cw.large_m()} ({cw.large_m(True)} on layers "
+          "whose fused path is the wgmma kernel), dequantize + cuBLAS from there")
     hdr = (f"{'N x K':>12} {'M':>5} | {'fp16':>8} {'bf16':>8} | {'i4 fp16':>8} {'x':>5} {'i4 bf16':>8} {'x':>5} "
            f"{'GB/s':>6} {'%bw':>4} | {'fp4 fp16':>8} {'x':>5} {'fp4 bf16':>8} {'x':>5} {'GB/s':>6} {'%bw':>4} | "
            f"{'i4 fused':>8} {'i4 deq':>8} | {'int4pack':>8} {'x':>5} | path")
@@ -257,6 +271,7 @@ def main(argv=None) -> int:
     int4pack_note = None
     for n, k in SHAPES:
         print(hdr)
+        large = layer_large_m(n, k)
         dense_bytes = n * k * 2
         cd = max(2, -(-4 * L2_BYTES // dense_bytes))
         dense = {dt: [torch.randn(n, k, device="cuda").mul_(0.02).to(dt) for _ in range(cd)]
@@ -343,9 +358,9 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("wgmma kernel (HF_W4_CUDA_WGMMA = wg warpgroups per block, HF_W4_CUDA_WGMMA_ROWS = rows), int4 bf16, "
-          "microseconds per call, rN = the rows per block taken (dense bf16 / it, the library's path now / it):",
-          flush=True)
+    print("fused path with the wgmma kernel forced (HF_W4_CUDA_WGMMA = wg warpgroups per block, 0: the mma.sync "
+          "kernels; HF_W4_CUDA_WGMMA_ROWS = rows), int4 bf16, microseconds per call, rN = the rows per block taken "
+          "(dense bf16 / it, dequantize + cuBLAS / it):", flush=True)
     for line in _wgmma_lines(record):
         print(line, flush=True)
     if a.json:

@@ -8,7 +8,8 @@
 #   bash tests/gpu/run.sh
 # A kernel change is judged against a baseline benchmarked in the same run: HF_W4_GPU_BASELINE=DIR names another
 # source tree (e.g. `git archive REV hf_w4 csrc setup.py setup.cfg | tar -x -C DIR`), whose library is built apart
-# and timed by this tree's benchmark, then the two are compared cell by cell.
+# and timed by this tree's benchmark, then the two are compared cell by cell. HF_W4_GPU_STAGES="jit-build gpu-wgmma ..."
+# runs only the stages named (and the environment's), e.g. to recheck one change within a short GPU lease.
 set -u
 cd "$(dirname "$0")/../.." || exit 2
 ROOT=$(pwd)
@@ -25,6 +26,10 @@ failed=()
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2 t0 rc
   shift 2
+  if [ -n "${HF_W4_GPU_STAGES:-}" ] && [ "$name" != environment ] && [[ " $HF_W4_GPU_STAGES " != *" $name "* ]]; then
+    echo; echo "=== $name: skipped (not in HF_W4_GPU_STAGES)"
+    return
+  fi
   echo
   echo "=== $name (limit ${limit}s): $*"
   t0=$(date +%s)
@@ -56,7 +61,7 @@ raise SystemExit(0 if ok else 1)'
 stage host-arithmetic 30 python -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_cuda_w4a16.py -k "not nvcc"
 stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_kernels.py -k "not wgmma"
 # the sm_90a wgmma kernel apart: a fault there must not cost the other kernel tests their process
-stage gpu-wgmma 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_kernels.py -k wgmma
+stage gpu-wgmma 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_kernels.py -k wgmma
 stage gpu-models 150 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_models.py -k "not compile and not graph and not generate"
 stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_models.py -k "compile or graph or generate"
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py

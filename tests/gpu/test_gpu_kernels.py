@@ -34,6 +34,14 @@ U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 torch.backends.cuda.matmul.allow_tf32 = False
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _library():
+    """Load the library before any test: tests call its ops directly, and one picked alone with ``-k`` may run before
+    any layer has loaded it (the ops' schemas are Python's, their CUDA implementations the library's)."""
+    ok, why = cw.CudaW4A16Kernel.is_supported()
+    assert ok, why
+
+
 def test_library_builds_and_is_selected():
     ok, why = cw.CudaW4A16Kernel.is_supported()
     assert ok, why
@@ -207,15 +215,16 @@ def test_opcheck():
                                                              16, "nvfp4", 0.5))
 
 
-def test_plan_reports_a_split_covering_k():
-    """cuda_w4a16_plan (the benchmark's path column) gives the work split the fused kernel runs: every k16 step in
-    exactly one split, enough m-blocks for M rows, one tile per 64 columns, at least one resident block per SM."""
-    assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
+def test_plan_reports_a_split_covering_k(monkeypatch):
+    """cuda_w4a16_plan (the benchmark's path column) gives the work split the mma.sync kernels run (the wgmma kernel
+    off; its plans are the wgmma tests'): every k16 step in exactly one split, enough m-blocks for M rows, one tile
+    per 64 columns, at least one resident block per SM."""
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "0")
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
         mt, mblocks, ntiles, splits, steps, bps, wide, wgmma = plan
-        assert wgmma == 0, "the wgmma kernel is taken only where forced"
+        assert wgmma == 0, "HF_W4_CUDA_WGMMA=0 and the wgmma kernel was taken"
         assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
         assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)
@@ -264,6 +273,34 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups
                                             136, kern.group_size, kern.weight_type, kern.global_scale)
         check_kernel_output(y, x, w, g, bias, U[dtype], False,
                             f"wgmma={warpgroups} rows={rows} splits={splits} {name} {dtype} M={m}")
+
+
+@SM90
+@pytest.mark.parametrize("name", ["gptq_sym", "modelopt_nvfp4"])
+def test_wgmma_kernel_taken_by_the_rule(monkeypatch, name):
+    """No setting: on a layer of 2^25 weights (8192 x 4096) the fused path is the mma.sync kernel up to M = 63 and the
+    wgmma kernel (4 warpgroups) from M = 64; the layer dequantizes for cuBLAS from M = 320 (its large_m); the layer's
+    outputs keep the budget on each side of both switches."""
+    for var in ("HF_W4_CUDA_WGMMA", "HF_W4_CUDA_WGMMA_ROWS", "HF_W4_CUDA_MT", "HF_W4_CUDA_WIDE", "HF_W4_CUDA_SPLITS",
+                "HF_W4_CUDA_LARGE_M"):
+        monkeypatch.delenv(var, raising=False)
+    _, layout, sym, ao, zp1 = next(c for c in LAYOUTS if c[0] == name)
+    n, k = 8192, 4096
+    spec, qw = make_qweight(layout, n, k, 16 if "nvfp4" in layout else 128, sym, ao, zp1, seed=3, device="cuda")
+    kern, layer = _layer(spec, qw)
+    assert kern.large_m == 320
+    nv = qw.weight_type == "nvfp4"
+    w_fused = kernel_dtype_weight(qw, torch.bfloat16, global_scale=not nv)
+    w_dense = kernel_dtype_weight(qw, torch.bfloat16)
+    for m, wg in ((63, 0), (64, 4), (300, 4), (319, 4), (320, None)):
+        if wg is not None:
+            plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, qw.weight_type, False, True)
+            assert plan[7] == wg, (m, plan)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        y = kern.apply(layer, x, None)
+        dense = wg is None
+        check_kernel_output(y, x, w_dense if dense else w_fused, 1.0 if dense or not nv else kern.global_scale, None,
+                            U[torch.bfloat16], dense, f"{name} M={m} wgmma={wg}")
 
 
 def test_wgmma_setting_is_checked(monkeypatch):

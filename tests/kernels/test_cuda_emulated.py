@@ -39,6 +39,7 @@ def emu(cxx_library):
     lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 6 + \
         [ctypes.POINTER(ctypes.c_int)] * 2
     lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_wgmma_rule.argtypes = [ctypes.c_int] * 3
     lib.hf_w4_emu_error.restype = ctypes.c_char_p
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
@@ -195,6 +196,14 @@ def test_emulation_reports_faults(cxx_library, case, error):
         assert rc == 0 and message == "", message
     else:
         assert rc == -3 and error in message, (rc, message)
+
+
+def test_wgmma_rule_emulated(emu):
+    """Where the device has the wgmma kernel the fused path takes it, 4 warpgroups per block, from M = 64 on layers
+    of at least 2^25 weights (14336 x 4096 and larger; not 4096 x 4096 or 1024 x 4096)."""
+    for m, n, k, wg in ((64, 14336, 4096, 4), (63, 14336, 4096, 0), (2048, 4096, 14336, 4), (64, 28672, 8192, 4),
+                        (300, 4096, 8192, 4), (300, 4096, 4096, 0), (1024, 1024, 4096, 0), (64, 8192, 4096, 4)):
+        assert emu.hf_w4_emu_wgmma_rule(m, n, k) == wg, (m, n, k)
 
 
 def test_wgmma_rows_rule_emulated(emu):

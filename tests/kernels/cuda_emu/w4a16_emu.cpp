@@ -101,6 +101,9 @@ void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, in
   std::memcpy(out, v, sizeof(v));
 }
 
+// The wgmma warpgroups the fused path takes by default on a device that has the kernel (0: the mma.sync kernels)
+int hf_w4_emu_wgmma_rule(int m, int n, int k) { return w4a16_wgmma_rule(m, (n + 63) / 64 * 64, k); }
+
 // The error that stopped the last launch (a return value of -3), e.g. a barrier that cannot complete
 const char* hf_w4_emu_error() { return hf_w4_emu::launch_error().c_str(); }
 
