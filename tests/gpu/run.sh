@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the CUDA kernels, on a fresh CUDA machine with only this source tree and a CUDA build of torch:
 # environment, JIT build of csrc/cuda (timed), the CPU-side arithmetic tests, the GPU kernel tests, the GPU model
-# tests, the benchmark, an Nsight Compute profile of the fused kernel where ncu is installed. Every stage has a time
+# tests, the benchmark, Nsight Compute profiles of the kernels where ncu is installed. Every stage has a time
 # limit and prints PASS / FAIL; a failed stage does not stop the others. The CPU op library is not built here
 # (HF_W4_NO_EXT=1): the pure-PyTorch reference is the oracle. Output also goes to $OUT/gpu.log when OUT is set. Exit
 # status 0 only if every stage passed.
@@ -73,15 +73,20 @@ if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
     python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench_baseline.json"
   stage compare 20 python tests/gpu/bench_cuda.py --compare "$BENCH_DIR/bench_baseline.json" "$BENCH_DIR/bench.json"
 fi
-# Nsight Compute on the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost
-# of a call); the reports go to $OUT. Informational: machines whose runtime hides the counters pass it with a note
+# Nsight Compute: the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost of a
+# call), and the wgmma kernel (sm_90a) at M = 64 and 1024 on the largest, with the reasons its warps stall; the
+# reports go to $OUT. Informational: machines whose runtime hides the counters (or have no wgmma kernel) pass it
 if command -v ncu >/dev/null; then
-  stage profile 90 bash -c 'for s in "28672 8192" "4096 4096"; do f=${OUT:-/tmp}/ncu_${s/ /x}_m1.txt;
-    ncu --clock-control none -k regex:w4a16_gemm_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-      --section WarpStateStats --section Occupancy --metrics smsp__inst_executed.sum \
-      python tests/gpu/profile_cuda.py $s 1 int4 > "$f" 2>&1;
-    grep -E "plan|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|inst_executed" "$f" ||
-      { echo "ncu read no counters here (informational, not a failure):"; tail -n 3 "$f"; }; done'
+  stage profile 150 bash -c 'for c in "28672 8192 1 w4a16_gemm_kernel" "4096 4096 1 w4a16_gemm_kernel" \
+      "28672 8192 64 w4a16_wgmma_kernel" "28672 8192 1024 w4a16_wgmma_kernel"; do set -- $c;
+    f=${OUT:-/tmp}/ncu_$1x$2_m$3.txt;
+    ncu --clock-control none -k regex:$4 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --metrics smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+      python tests/gpu/profile_cuda.py $1 $2 $3 int4 > "$f" 2>&1;
+    grep -E "plan|Duration|DRAM Throughput|Compute \(SM\)|L2 Cache Throughput|Achieved Occupancy|Warp Cycles Per Issued|No Eligible|inst_executed" "$f" ||
+      { echo "ncu read no counters here (informational, not a failure):"; tail -n 3 "$f"; };
+    grep -E "stalled" "$f" | sort -g -k3 -r | head -n 6; done'
 else
   echo; echo "=== profile: skipped (no ncu on PATH)"
 fi
