@@ -67,14 +67,12 @@ VARIABLES = (
     Variable("HF_W4_CUDA_WIDE", "C++", "1 / 0", "cuda_w4a16: the wide fused kernel (4 column tiles per block sharing "
              "the activations) forced on or off, instead of the rule (on at 9-64 rows of layers of at least three "
              "64-column tiles per SM); read on every call"),
-    Variable("HF_W4_CUDA_WGMMA", "C++", "1 / 2 / 4 / 0", "cuda_w4a16: the sm_90a wgmma kernel, blocks of this many "
-             "warpgroups (64 columns each), for every call of the fused path (M below HF_W4_CUDA_LARGE_M), on compute "
-             "capability 9.0 with the library built for sm_90a (an error elsewhere); 0: never; unset: the rule "
-             "(4 warpgroups from M = 64 on layers of at least 2^25 weights, where the device has the kernel and "
-             "HF_W4_CUDA_MT / HF_W4_CUDA_WIDE are unset); read on every call"),
-    Variable("HF_W4_CUDA_WGMMA_ROWS", "C++", "64 / 128 / 256", "cuda_w4a16: the wgmma kernel's rows of x per block "
-             "instead of the rule (64 up to M = 64, else 128, or 256 with 1 or 2 warpgroups per block where that "
-             "still gives every SM two warpgroups); read on every call"),
+    Variable("HF_W4_CUDA_WGMMA", "C++", "1 / 0", "cuda_w4a16: 1 runs the sm_90a wgmma kernel for every call of the "
+             "fused path (M below HF_W4_CUDA_LARGE_M), on compute capability 9.0 with the library built for sm_90a "
+             "(an error elsewhere); 0: never; unset: the rule (from M = 64 on layers of at least 2^25 weights, where "
+             "the device has the kernel and HF_W4_CUDA_MT / HF_W4_CUDA_WIDE are unset); read on every call"),
+    Variable("HF_W4_CUDA_WGMMA_ROWS", "C++", "64 / 128", "cuda_w4a16: the wgmma kernel's rows of x per block "
+             "instead of the rule (64 up to M = 64, else 128); read on every call"),
     Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
              "does not know, for its %-of-bandwidth column"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),

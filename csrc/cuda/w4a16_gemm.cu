@@ -668,15 +668,16 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 // K-major in 8 x 16-byte core matrices (no swizzle). D holds y^T: 64 columns x ROWS rows. A block holds NWG
 // warpgroups on NWG adjacent column tiles that share the staged rows of x: the rows are read from L2 once per NWG
 // tiles, and the 4-bit weights are an eighth of the bytes of the rows they multiply (ROWS = 128: 4 KB of x and 512 B
-// of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold.
-// Taken only where forced (HF_W4_CUDA_WGMMA) until a GPU run has measured it; the body exists only in sm_90a code.
+// of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold. Built with NWG = 4 and
+// ROWS = 64 or 128: on an H100 blocks of 1 or 2 warpgroups (and 256 rows, which only they can hold) were slower at
+// every shape and M measured. The body exists only in sm_90a code.
 // chunks in the block's ring: 3 in flight while one is computed and the previous one's last wgmma may still read its
 // slot
 constexpr int kWgSlots = 5;
 
 template <int KIND, int NWG, int ROWS>
 struct WgSlot {
-  static_assert(ROWS == 64 || ROWS == 128 || ROWS == 256, "wgmma n = 64, 128 or 256 rows of x");
+  static_assert(ROWS == 64 || ROWS == 128, "wgmma n = 64 or 128 rows of x");
   uint4 w[NWG][kChunk][32];
   uint4 s[NWG][scale_pieces<KIND>()];
   uint4 x[kChunk][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
@@ -744,36 +745,15 @@ __device__ __forceinline__ void wgmma_issue(float (&d)[N / 2], const uint32_t (&
       : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),                \
         HF_W4_D8(56)                                                                                                   \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-#define HF_W4_WGMMA_N256(TYPE)                                                                                         \
-  asm volatile(                                                                                                        \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"                                                                  \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                                \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                         \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                               \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                               \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                               \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                               \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                               \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                   \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                 \
-      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"                                                            \
-      : HF_W4_D8(0), HF_W4_D8(8), HF_W4_D8(16), HF_W4_D8(24), HF_W4_D8(32), HF_W4_D8(40), HF_W4_D8(48),                \
-        HF_W4_D8(56), HF_W4_D8(64), HF_W4_D8(72), HF_W4_D8(80), HF_W4_D8(88), HF_W4_D8(96), HF_W4_D8(104),             \
-        HF_W4_D8(112), HF_W4_D8(120)                                                                                   \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
   if constexpr (N == 64) {
     if constexpr (BF16) HF_W4_WGMMA_N64("bf16");
     else HF_W4_WGMMA_N64("f16");
-  } else if constexpr (N == 128) {
+  } else {
     if constexpr (BF16) HF_W4_WGMMA_N128("bf16");
     else HF_W4_WGMMA_N128("f16");
-  } else {
-    if constexpr (BF16) HF_W4_WGMMA_N256("bf16");
-    else HF_W4_WGMMA_N256("f16");
   }
 #undef HF_W4_WGMMA_N64
 #undef HF_W4_WGMMA_N128
-#undef HF_W4_WGMMA_N256
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #endif
 }
@@ -1038,11 +1018,11 @@ int blocks_per_sm() {
 }
 
 // the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7), and the
-// wgmma kernel's (8-15: 1 or 2 warpgroups x 64, 128 or 256 rows, 4 warpgroups x 64 or 128 rows; its plans have
-// mt = rows / 16)
-constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 8;
-int tiling(int mt, int mr, bool wide, int wgmma = 0) {
-  if (wgmma) return kWgmmaTiling + 3 * (wgmma == 4 ? 2 : wgmma - 1) + (mt == 4 ? 0 : (mt == 8 ? 1 : 2));
+// wgmma kernel's (8, 9: 4 warpgroups x 64 or 128 rows; its plans have mt = rows / 16)
+constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 2;
+constexpr int kWgmmaWarpgroups = 4;
+int tiling(int mt, int mr, bool wide, bool wgmma = false) {
+  if (wgmma) return kWgmmaTiling + (mt == 4 ? 0 : 1);
   return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
 }
 
@@ -1055,37 +1035,25 @@ int blocks_per_sm_tiling(int t) {
     default: return blocks_per_sm<4, 16, BF16, KIND, WIDE>();
   }
 }
-// Rows of x per wgmma block for M rows and ntiles column tiles: 64 up to M = 64 (no half-empty blocks), else 128, or
-// 256 (twice the mma per dequantized weight) where blocks of 1 or 2 warpgroups still give every SM two warpgroups
-int wgmma_rows_for(int m, int ntiles, int nwg, int sms) {
-  if (m <= 64) return 64;
-  return nwg <= 2 && m > 128 && (int64_t)((m + 255) / 256) * ntiles >= 2 * sms ? 256 : 128;
-}
+// Rows of x per wgmma block for M rows: 64 up to M = 64 (no half-empty blocks), else 128 (64-row blocks were slower
+// above M = 64 on every layer the rule takes the kernel for)
+int wgmma_rows_for(int m) { return m <= 64 ? 64 : 128; }
 
-// f(Int<NWG>{}, Int<ROWS>{}) for wgmma tiling t
+// f(Int<ROWS>{}) for wgmma tiling t
 template <int V>
 struct Int {
   static constexpr int value = V;
 };
 template <class F>
 auto with_wgmma_tiling(int t, F&& f) {
-  switch (t - kWgmmaTiling) {
-    case 0: return f(Int<1>{}, Int<64>{});
-    case 1: return f(Int<1>{}, Int<128>{});
-    case 2: return f(Int<1>{}, Int<256>{});
-    case 3: return f(Int<2>{}, Int<64>{});
-    case 4: return f(Int<2>{}, Int<128>{});
-    case 5: return f(Int<2>{}, Int<256>{});
-    case 6: return f(Int<4>{}, Int<64>{});
-    default: return f(Int<4>{}, Int<128>{});
-  }
+  return t == kWgmmaTiling ? f(Int<64>{}) : f(Int<128>{});
 }
 
 template <bool BF16, int KIND>
 int blocks_per_sm_any(int t) {
   if (t >= kWgmmaTiling)
-    return with_wgmma_tiling(t, [](auto nwg, auto rows) {
-      constexpr int NWG = decltype(nwg)::value, ROWS = decltype(rows)::value;
+    return with_wgmma_tiling(t, [](auto rows) {
+      constexpr int NWG = kWgmmaWarpgroups, ROWS = decltype(rows)::value;
       return resident_blocks(w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>, wg_ring_bytes<KIND, NWG, ROWS>(), 128 * NWG);
     });
   return t >= kTilings ? blocks_per_sm_tiling<BF16, KIND, true>(t - kTilings)
@@ -1103,8 +1071,8 @@ void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t strea
 }
 template <bool BF16, int KIND>
 void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  with_wgmma_tiling(tiling(p.mt, p.mr, false, p.wgmma), [&](auto nwg, auto rows) {
-    constexpr int NWG = decltype(nwg)::value, ROWS = decltype(rows)::value;
+  with_wgmma_tiling(tiling(p.mt, p.mr, false, true), [&](auto rows) {
+    constexpr int NWG = kWgmmaWarpgroups, ROWS = decltype(rows)::value;
     const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG, p.splits);
     const auto kernel = w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>;
     const int bytes = wg_ring_bytes<KIND, NWG, ROWS>();
@@ -1138,7 +1106,7 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
 
 // Blocks of the fused kernel for (mt, mr, wide, dtype, kind), or of the wgmma kernel, resident per SM on the current
 // device (the occupancy API, once; also sets the kernel's shared memory limit).
-int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide, int wgmma = 0) {
+int w4a16_gemm_blocks_per_sm(int mt, int mr, bool bf16, int kind, bool wide, bool wgmma = false) {
   static int cache[16][kAllTilings][2][3] = {};  // device, tiling, bf16, kind
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 16) dev = 0;
@@ -1196,23 +1164,21 @@ bool w4a16_wgmma_available(bool may_probe) {
 #endif
 }
 
-// Measured on an H100 (docs/cuda-kernels.md): blocks of 4 warpgroups beat 1 and 2 at every M; from M = 64 the
-// kernel beat the mma.sync kernels (M = 64) and dequantize + cuBLAS (M = 256) by 1.03-1.43x on layers of 58M and
-// 235M weights, and lost on those of 4M and 17M (too few column tiles to fill 132 SMs without deep split-K)
-int w4a16_wgmma_rule(int m, int npad, int k) {
-  return m >= 64 && (int64_t)npad * k >= (int64_t{1} << 25) ? 4 : 0;
+// Measured on an H100 (docs/cuda-kernels.md): from M = 64 the kernel beat the mma.sync kernels (M = 64) and
+// dequantize + cuBLAS (M = 256) by 1.03-1.43x on layers of 58M and 235M weights, and lost on those of 4M and 17M (too
+// few column tiles to fill 132 SMs without deep split-K)
+bool w4a16_wgmma_rule(int m, int npad, int k) {
+  return m >= 64 && (int64_t)npad * k >= (int64_t{1} << 25);
 }
 
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits, int wgmma, int wgmma_rows) {
-  if (wgmma) {  // wgmma warpgroups x 64 columns by wgmma_rows_for rows; split-K as the fused kernels
-    // (no kernel of 4 warpgroups x 256 rows: the glue refuses that setting, and the rule never picks it)
-    const bool forced = wgmma_rows && !(wgmma == 4 && wgmma_rows == 256);
-    const int rows = forced ? wgmma_rows : wgmma_rows_for(m, npad / 64, wgmma, sms);
-    const int bps = w4a16_gemm_blocks_per_sm(rows / 16, 16, bf16, kind, false, wgmma);
+                         int splits, bool wgmma, int wgmma_rows) {
+  if (wgmma) {  // 4 warpgroups x 64 columns by wgmma_rows_for rows; split-K as the fused kernels
+    const int rows = wgmma_rows == 64 || wgmma_rows == 128 ? wgmma_rows : wgmma_rows_for(m);
+    const int bps = w4a16_gemm_blocks_per_sm(rows / 16, 16, bf16, kind, false, true);
     if (blocks_per_sm) *blocks_per_sm = bps;
-    GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, wgmma);
-    p.wgmma = wgmma;
+    GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, kWgmmaWarpgroups);
+    p.wgmma = kWgmmaWarpgroups;
     p.mr = 16;
     return p;
   }

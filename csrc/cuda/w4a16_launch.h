@@ -31,16 +31,15 @@ struct GemmArgs {
 // (mt = 1, 2, 4) or by the rule (mt = 0: plan_mt, two tiles at 9-16 rows where one wave of them holds every column
 // tile), the wide kernel forced on or off (wide = 1, 0) or by the rule (-1: at 9-64 rows of layers of at least three
 // waves of column tiles, where it then takes the tiling), split-K for the resident blocks per SM the occupancy API
-// gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma = 1, 2 or 4: the
-// sm_90a wgmma kernel instead (only where w4a16_wgmma_available()), blocks of that many warpgroups, each on one column
-// tile, x wgmma_rows rows of x (64, 128, or 256 with 1 or 2 warpgroups; 0: 64 up to M = 64, else 128, or 256 where
-// that still gives every SM two warpgroups), K split as for the fused kernel.
+// gives (also stored in *blocks_per_sm if given), or `splits` K splits where that is positive. wgmma: the sm_90a
+// wgmma kernel instead (only where w4a16_wgmma_available()), blocks of 4 warpgroups, each on one column tile, x
+// wgmma_rows rows of x (64 or 128; 0: 64 up to M = 64, else 128), K split as for the fused kernel.
 GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, int mt, int wide, int* blocks_per_sm,
-                         int splits = 0, int wgmma = 0, int wgmma_rows = 0);
+                         int splits = 0, bool wgmma = false, int wgmma_rows = 0);
 
-// The wgmma kernel's warpgroups per block the fused path takes by default for an M x Npad x K call where the device
-// has the kernel (4 from M = 64 on layers of at least 2^25 weights), or 0: the mma.sync kernels.
-int w4a16_wgmma_rule(int m, int npad, int k);
+// Whether the fused path takes the wgmma kernel by default for an M x Npad x K call where the device has the kernel:
+// from M = 64 on layers of at least 2^25 weights.
+bool w4a16_wgmma_rule(int m, int npad, int k);
 
 // Whether the wgmma kernel runs on the current device (compute capability 9.0 and the library built for sm_90a);
 // the first call per device launches a probe and waits for it, or, with may_probe false (e.g. while a CUDA graph

@@ -115,38 +115,34 @@ int splits_override() {
   return plan_setting("HF_W4_CUDA_SPLITS", 0, [](int v) { return v > 0; }, "a positive number of K splits");
 }
 
-// HF_W4_CUDA_WGMMA=n (1, 2 or 4): the sm_90a wgmma kernel with blocks of n warpgroups (64 columns each) for every call
-// of the fused path, an error where this GPU or build has none; 0: never; unset (-1): w4a16_wgmma_rule where the
-// device has the kernel and no tiling of the mma.sync kernels is forced
+// HF_W4_CUDA_WGMMA=1: the sm_90a wgmma kernel for every call of the fused path, an error where this GPU or build has
+// none; 0: never; unset (-1): w4a16_wgmma_rule where the device has the kernel and no mma.sync tiling is forced
 int wgmma_setting() {
-  const int n = plan_setting("HF_W4_CUDA_WGMMA", -1, [](int v) { return v == 0 || v == 1 || v == 2 || v == 4; },
-                             "1, 2 or 4 (the sm_90a wgmma kernel, warpgroups per block) or 0 (not)");
-  TORCH_CHECK(n <= 0 || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=", n, ": the wgmma kernel needs a GPU of "
-              "compute capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
+  const int n = plan_setting("HF_W4_CUDA_WGMMA", -1, [](int v) { return v == 0 || v == 1; },
+                             "1 (the sm_90a wgmma kernel) or 0 (not)");
+  TORCH_CHECK(n <= 0 || w4a16_wgmma_available(), "HF_W4_CUDA_WGMMA=1: the wgmma kernel needs a GPU of compute "
+              "capability 9.0 (H100 / H200) and the library built for sm_90a; this device or build has none");
   return n;
 }
 
-// HF_W4_CUDA_WGMMA_ROWS=64 / 128 / 256: the wgmma kernel's rows of x per block instead of the rule (0 when unset;
-// 256 with 1 or 2 warpgroups only: 4 would need more registers than an SM has)
-int wgmma_rows_override(int warpgroups) {
-  const int rows = plan_setting("HF_W4_CUDA_WGMMA_ROWS", 0, [](int v) { return v == 64 || v == 128 || v == 256; },
-                                "64, 128 or 256 (rows of x per wgmma block)");
-  TORCH_CHECK(rows != 256 || warpgroups != 4, "HF_W4_CUDA_WGMMA_ROWS=256 needs HF_W4_CUDA_WGMMA=1 or 2, not 4");
-  return rows;
+// HF_W4_CUDA_WGMMA_ROWS=64 / 128: the wgmma kernel's rows of x per block instead of the rule (0 when unset)
+int wgmma_rows_override() {
+  return plan_setting("HF_W4_CUDA_WGMMA_ROWS", 0, [](int v) { return v == 64 || v == 128; },
+                      "64 or 128 (rows of x per wgmma block)");
 }
 
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
   const int mt = mt_override(), wide = wide_kernel();
-  int wgmma = wgmma_setting();
-  if (wgmma < 0) {
+  const int setting = wgmma_setting();
+  bool wgmma = setting > 0;
+  if (setting < 0 && !mt && wide < 0 && w4a16_wgmma_rule((int)m, (int)npad, (int)k)) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
-    const int rule = !mt && wide < 0 ? w4a16_wgmma_rule((int)m, (int)npad, (int)k) : 0;
-    wgmma = rule && w4a16_wgmma_available(capture == cudaStreamCaptureStatusNone) ? rule : 0;
+    wgmma = w4a16_wgmma_available(capture == cudaStreamCaptureStatusNone);
   }
   return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt, wide, blocks_per_sm,
-                         splits_override(), wgmma, wgmma ? wgmma_rows_override(wgmma) : 0);
+                         splits_override(), wgmma, wgmma ? wgmma_rows_override() : 0);
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,

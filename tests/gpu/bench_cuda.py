@@ -162,22 +162,21 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 
 # m16 tiles per block compared at each M of the tiling table (four tiles only from 32 rows, one not past 64)
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
-# the sm_90a wgmma kernel, against the main table's dense and dequantize + cuBLAS times: (HF_W4_CUDA_WGMMA =
-# warpgroups per block, HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
+# the fused path with the sm_90a wgmma kernel off (0) and forced (1), against the main table's dense and dequantize +
+# cuBLAS times: (HF_W4_CUDA_WGMMA, HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
 WGMMA_MS = (32, 64, 256, 512, 1024)
-WGMMA_VARIANTS = ((0, ""), (4, ""), (2, ""), (4, "64"), (4, "128"))  # 0: the mma.sync kernels
+WGMMA_VARIANTS = ((0, ""), (1, ""), (1, "64"), (1, "128"))
 
 
 def _wgmma_lines(record: dict) -> list:
-    """The fused path (int4 bf16) with each of WGMMA_VARIANTS forced (0: the mma.sync kernels) at WGMMA_MS on every
-    shape, where this GPU and build have the wgmma kernel: microseconds, the rows per block its plan took and, in
+    """The fused path (int4 bf16) in each of WGMMA_VARIANTS at WGMMA_MS on every shape, where this GPU and build have
+    the wgmma kernel (blocks of 4 warpgroups): microseconds, the rows per block its plan took and, in
     brackets, the time of dense bf16 and of dequantize + cuBLAS (both from the main table) / its own; also into
     ``record``. Run last: a kernel that faults must not cost the other results."""
-    if not _honoured("HF_W4_CUDA_WGMMA", 1, 7):
+    if not _honoured("HF_W4_CUDA_WGMMA", 1, 7, expect=4):  # (a baseline tree may count warpgroups in the setting)
         return ["wgmma kernel: not available here (needs compute capability 9.0 and an sm_90a build)"]
-    # a baseline tree may have one warpgroup and 128 rows only
-    variants = [(g, r) for g, r in WGMMA_VARIANTS if (not g or _honoured("HF_W4_CUDA_WGMMA", g, 7)) and
-                (not r or _honoured("HF_W4_CUDA_WGMMA_ROWS", int(r), 0, {"HF_W4_CUDA_WGMMA": str(g)}, int(r) // 16))]
+    variants = [(g, r) for g, r in WGMMA_VARIANTS
+                if not r or _honoured("HF_W4_CUDA_WGMMA_ROWS", int(r), 0, {"HF_W4_CUDA_WGMMA": "1"}, int(r) // 16)]
     lines = []
     for n, k in SHAPES:
         cq = max(2, -(-4 * L2_BYTES // (n * k // 2)))
@@ -194,7 +193,7 @@ def _wgmma_lines(record: dict) -> list:
                 cells.append(f"M={m} {us:7.1f} r{rows}" + (f" ({main['bf16'] / us:.2f}x, {main['i4 deq'] / us:.2f}x)"
                                                             if "bf16" in main and "i4 deq" in main else ""))
                 record["tilings"][f"{n}x{k} M={m} wgmma={g} rows={r or 'rule'}"] = us
-            lines.append(f"{f'{n}x{k}':>12} wg={g} rows={r or 'rule':>4} | " + " | ".join(cells))
+            lines.append(f"{f'{n}x{k}':>12} wgmma={g} rows={r or 'rule':>4} | " + " | ".join(cells))
         i4 = xs = None
         torch.cuda.empty_cache()
     return lines
@@ -358,8 +357,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("fused path with the wgmma kernel forced (HF_W4_CUDA_WGMMA = wg warpgroups per block, 0: the mma.sync "
-          "kernels; HF_W4_CUDA_WGMMA_ROWS = rows), int4 bf16, microseconds per call, rN = the rows per block taken "
+    print("fused path with the wgmma kernel off and forced (HF_W4_CUDA_WGMMA = 0 / 1, HF_W4_CUDA_WGMMA_ROWS = rows), "
+          "int4 bf16, microseconds per call, rN = the rows per block taken "
           "(dense bf16 / it, dequantize + cuBLAS / it):", flush=True)
     for line in _wgmma_lines(record):
         print(line, flush=True)

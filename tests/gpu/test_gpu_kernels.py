@@ -235,15 +235,13 @@ def test_plan_reports_a_split_covering_k(monkeypatch):
 
 
 @SM90
-@pytest.mark.parametrize("warpgroups", [1, 2, 4], ids=["wg1", "wg2", "wg4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "modelopt_nvfp4"])
-def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups):
-    """HF_W4_CUDA_WGMMA=1, 2, 4 on an H100 / H200 (the library is built for sm_90a there): blocks of that many
-    warpgroups x 64 columns (N = 136: 3 column tiles, so a block of 2 or 4 has a warpgroup past the last) x 64 rows up
-    to M = 64, else 128 (the rule on a layer this narrow), and 64 and 256 rows forced (HF_W4_CUDA_WGMMA_ROWS); K in 4
-    splits (the plan's on this narrow layer: 10, 10, 10 and 7 k16 steps) or 1 (forced); every weight kind, a bias,
-    partial and several m-blocks, a short last chunk (K = 592)."""
+def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
+    """HF_W4_CUDA_WGMMA=1 on an H100 / H200 (the library is built for sm_90a there): blocks of 4 warpgroups x 64
+    columns (N = 136: 3 column tiles, so a warpgroup is past the last) x 64 rows up to M = 64, else 128, and 64 and 128
+    rows forced (HF_W4_CUDA_WGMMA_ROWS); K in 4 splits (the plan's on this narrow layer: 10, 10, 10 and 7 k16 steps)
+    or 1 (forced); every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
     case = next(c for c in LAYOUTS if c[0] == name)
     _, layout, sym, ao, zp1 = case
     gs = 16 if "nvfp4" in layout else -1
@@ -254,25 +252,23 @@ def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype, warpgroups
     w = kernel_dtype_weight(qw, dtype, global_scale=not nv)
     g = kern.global_scale if nv else 1.0
     bias = (torch.randn(136, device="cuda") * 0.1).to(dtype)
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", str(warpgroups))
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
     # (M, forced rows, forced splits, rows, splits)
-    cases = [(1, "", "", 64, 4), (64, "", "1", 64, 1), (257, "", "", 128, 4), (2048, "", "1", 128, 1),
-             (257, "64", "", 64, 4)]
-    if warpgroups < 4:
-        cases += [(257, "256", "1", 256, 1), (2048, "256", "", 256, 4)]
-    for m, forced, forced_splits, rows, splits in cases:
+    for m, forced, forced_splits, rows, splits in ((1, "", "", 64, 4), (64, "", "1", 64, 1), (257, "", "", 128, 4),
+                                                   (2048, "", "1", 128, 1), (257, "64", "", 64, 4),
+                                                   (40, "128", "", 128, 4)):
         monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", forced)
         monkeypatch.setenv("HF_W4_CUDA_SPLITS", forced_splits)
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, 136, 592, qw.weight_type, b["cuda_w4a16_z"] is not None,
                                                dtype == torch.bfloat16)
-        assert plan[7] == warpgroups and plan[0] * 16 == rows and plan[1] == -(-m // rows), plan
+        assert plan[7] == 4 and plan[0] * 16 == rows and plan[1] == -(-m // rows), plan
         assert plan[3] == splits and (splits - 1) * plan[4] < 37 <= splits * plan[4], plan
         x = torch.randn(m, 592, device="cuda").to(dtype)
         xp = x if b["cuda_w4a16_perm"] is None else x[:, b["cuda_w4a16_perm"]]
         y = torch.ops.hf_w4.cuda_w4a16_gemm(xp, b["cuda_w4a16_q"], kern._scales(b, dtype), b["cuda_w4a16_z"], bias,
                                             136, kern.group_size, kern.weight_type, kern.global_scale)
         check_kernel_output(y, x, w, g, bias, U[dtype], False,
-                            f"wgmma={warpgroups} rows={rows} splits={splits} {name} {dtype} M={m}")
+                            f"wgmma rows={rows} splits={splits} {name} {dtype} M={m}")
 
 
 @SM90
@@ -304,37 +300,33 @@ def test_wgmma_kernel_taken_by_the_rule(monkeypatch, name):
 
 
 def test_wgmma_setting_is_checked(monkeypatch):
-    """HF_W4_CUDA_WGMMA takes 1, 2, 4 or 0; a warpgroup count where this GPU or build has no wgmma kernel is an error,
-    not a silent fallback (on compute capability 9.0 the JIT build has it and the plan takes it)."""
-    assert cw.CudaW4A16Kernel.is_supported()[0]  # loads the library that registers the op
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "3")
-    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WGMMA='3': expected 1, 2 or 4 \(the sm_90a wgmma kernel"):
+    """HF_W4_CUDA_WGMMA takes 1 or 0 and HF_W4_CUDA_WGMMA_ROWS 64 or 128; forcing the wgmma kernel where this GPU or
+    build has none is an error, not a silent fallback (on compute capability 9.0 the JIT build has it)."""
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "4")
+    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_WGMMA='4': expected 1 \(the sm_90a wgmma kernel\) or 0"):
         torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
     monkeypatch.setenv("HF_W4_CUDA_WGMMA", "0")
     assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 0
-    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "2")
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", "1")
     if torch.cuda.get_device_capability() == (9, 0):
-        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 2
-        monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", "96")
-        with pytest.raises(RuntimeError, match="HF_W4_CUDA_WGMMA_ROWS='96': expected 64, 128 or 256"):
-            torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[7] == 4
         monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", "256")
-        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[0] == 16
-        monkeypatch.setenv("HF_W4_CUDA_WGMMA", "4")
-        with pytest.raises(RuntimeError, match="HF_W4_CUDA_WGMMA_ROWS=256 needs HF_W4_CUDA_WGMMA=1 or 2"):
+        with pytest.raises(RuntimeError, match="HF_W4_CUDA_WGMMA_ROWS='256': expected 64 or 128"):
             torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
+        monkeypatch.setenv("HF_W4_CUDA_WGMMA_ROWS", "128")
+        assert torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)[0] == 8
     else:
         with pytest.raises(RuntimeError, match="the wgmma kernel needs a GPU of compute capability 9.0"):
             torch.ops.hf_w4.cuda_w4a16_plan(1, 200, 592, "int4", False, True)
 
 
 @SM90
-@pytest.mark.parametrize("m", [64, 128, 256])
+@pytest.mark.parametrize("m", [64, 128])
 def test_wgmma_kernel_maps_rows_columns_and_k(monkeypatch, m):
     """One-hot rows of x pick single weight columns, so each output row must equal one column of W exactly: row m
     with its 1 at k(m) gives W[:, k(m)]. A wrong descriptor (k order of B) or fragment layout (A / D) shows here as
-    the k or the columns found instead, which says which of them is off. M = 64, 128, 256: one block of that many rows
-    (the n64, n128 and n256 wgmma)."""
+    the k or the columns found instead, which says which of them is off. M = 64, 128: one block of that many rows
+    (the n64 and n128 wgmma; the block's 4 warpgroups on one column tile: 3 past it)."""
     n, k = 64, 128
     spec, qw = make_qweight("gptq", n, k, -1, True, False, False, seed=5, device="cuda")
     kern, layer = _layer(spec, qw)

@@ -70,8 +70,8 @@ class Layer:
 
     def gemm(self, lib, x, dtype, bias=None, mt=0, wide=False, sms=None, splits=0, wgmma=0, wgmma_rows=0):
         """The fused kernel; wide: True / False force it on / off, None leaves it to the plan's rule; splits: K
-        splits forced (0: the plan's); wgmma = 1, 2, 4: the sm_90a wgmma kernel instead, with that many warpgroups
-        per block, and wgmma_rows rows per block (0: the plan's). Returns y and the plan's splits; its rows per block
+        splits forced (0: the plan's); wgmma = 1: the sm_90a wgmma kernel instead, with wgmma_rows rows per block
+        (0: the plan's). Returns y and the plan's splits; its rows per block
         in self.rows."""
         xp = (x if self.perm is None else x[:, self.perm]).contiguous()
         y = torch.full((x.shape[0], self.n), float("nan"), dtype=dtype)
@@ -154,26 +154,23 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
                             f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
 
 
-@pytest.mark.parametrize("warpgroups", [1, 2, 4], ids=["wg1", "wg2", "wg4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
-def test_wgmma_kernel_emulated(emu, name, dtype, warpgroups):
-    """The sm_90a wgmma kernel (forced; blocks of 1, 2 or 4 warpgroups x 64 columns, 64, 128 or 256 rows): every
-    weight kind, both dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a block
-    of 2 or 4 warpgroups with a warpgroup past the last tile), K with a short last chunk (37 k16 steps), K split
-    (the plan fills 132 SMs: 4 splits of 10 steps, the last one short) and not."""
+def test_wgmma_kernel_emulated(emu, name, dtype):
+    """The sm_90a wgmma kernel (forced; blocks of 4 warpgroups x 64 columns, 64 or 128 rows): every weight kind, both
+    dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a warpgroup past the last
+    tile), K with a short last chunk (37 k16 steps), K split (the plan fills 132 SMs: 4 splits of 10 steps, the last
+    one short) and not."""
     n, k = 136, 592
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
     # (M, forced rows, forced splits, rows)
-    cases = [(1, 0, 0, 64), (64, 0, 1, 64), (128, 0, 0, 128), (150, 0, 1, 128), (150, 64, 0, 64)]
-    if warpgroups < 4:
-        cases += [(150, 256, 1, 256), (300, 256, 0, 256)]
-    for m, forced, splits, rows in cases:
+    for m, forced, splits, rows in ((1, 0, 0, 64), (64, 0, 1, 64), (128, 0, 0, 128), (150, 0, 1, 128),
+                                    (150, 64, 0, 64), (40, 128, 0, 128)):
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, planned = layer.gemm(emu, x, dtype, bias, splits=splits, wgmma=warpgroups, wgmma_rows=forced)
+        y, planned = layer.gemm(emu, x, dtype, bias, splits=splits, wgmma=1, wgmma_rows=forced)
         assert (layer.rows, planned) == (rows, splits or 4), (m, forced, layer.rows, planned)
-        check_kernel_output(y, x, wk, g, bias, U[dtype], False,
-                            f"{name} {dtype} wgmma={warpgroups} rows={rows} M={m} splits={planned}")
+        check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma rows={rows} M={m} "
+                            f"splits={planned}")
 
 
 @pytest.mark.parametrize("case,error", [(0, None), (1, "that an issued wgmma may still read"),
@@ -199,19 +196,13 @@ def test_emulation_reports_faults(cxx_library, case, error):
 
 
 def test_wgmma_rule_emulated(emu):
-    """Where the device has the wgmma kernel the fused path takes it, 4 warpgroups per block, from M = 64 on layers
-    of at least 2^25 weights (14336 x 4096 and larger; not 4096 x 4096 or 1024 x 4096)."""
-    for m, n, k, wg in ((64, 14336, 4096, 4), (63, 14336, 4096, 0), (2048, 4096, 14336, 4), (64, 28672, 8192, 4),
-                        (300, 4096, 8192, 4), (300, 4096, 4096, 0), (1024, 1024, 4096, 0), (64, 8192, 4096, 4)):
-        assert emu.hf_w4_emu_wgmma_rule(m, n, k) == wg, (m, n, k)
-
-
-def test_wgmma_rows_rule_emulated(emu):
-    """The wgmma plan's rows per block: 64 up to M = 64, 128 above, 256 from M = 129 with 1 or 2 warpgroups per block
-    where the 256-row blocks still give every SM two warpgroups (132 SMs: 264 of them)."""
-    for m, n, nwg, rows in ((64, 64, 1, 64), (65, 64, 1, 128), (128, 28672, 1, 128), (129, 28672, 1, 256),
-                            (129, 28672, 4, 128), (2048, 4096, 2, 256), (1024, 4096, 2, 128), (2048, 1024, 1, 128)):
-        assert _plan(emu, m, n, 4096, SMS, wgmma=nwg)["mt"] * 16 == rows, (m, n, nwg)
+    """Where the device has the wgmma kernel the fused path takes it from M = 64 on layers of at least 2^25 weights
+    (14336 x 4096 and larger; not 4096 x 4096 or 1024 x 4096), with 64 rows per block up to M = 64, else 128."""
+    for m, n, k, taken in ((64, 14336, 4096, 1), (63, 14336, 4096, 0), (2048, 4096, 14336, 1), (64, 28672, 8192, 1),
+                           (300, 4096, 8192, 1), (300, 4096, 4096, 0), (1024, 1024, 4096, 0), (64, 8192, 4096, 1)):
+        assert emu.hf_w4_emu_wgmma_rule(m, n, k) == taken, (m, n, k)
+    for m, n, rows in ((1, 64, 64), (64, 64, 64), (65, 64, 128), (129, 28672, 128), (2048, 4096, 128)):
+        assert _plan(emu, m, n, 4096, SMS, wgmma=1)["mt"] * 16 == rows, (m, n)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])

@@ -50,15 +50,15 @@ extern "C" {
 
 // y [m, n] = x [m, k] @ W^T (+ bias) through the fused kernel, planned for `sms` SMs x the kernel's resident blocks
 // per SM (132: an H100) with mt (1, 2, 4; 0: the rule), wide (1: the wide kernel, 0: not, -1: the rule) and
-// force_splits (0: the rule) as w4a16_gemm_plan takes them, or the wgmma kernel (wgmma = 1, 2, 4: its warpgroups per
-// block; wgmma_rows: its rows per block, 0: the rule); the plan's splits in *splits, its rows per block in *rows
+// force_splits (0: the rule) as w4a16_gemm_plan takes them, or the wgmma kernel (wgmma = 1; wgmma_rows: its rows
+// per block, 0: the rule); the plan's splits in *splits, its rows per block in *rows
 int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, const uint8_t* zeros, const void* bias,
                    void* y, int m, int n, int k, int group_size, int kind, int bf16, float global_scale, int sms,
                    int mt, int wide, int force_splits, int wgmma, int wgmma_rows, int* splits, int* rows) {
   hf_w4_emu::launch_error().clear();
   const int npad = (n + 63) / 64 * 64;
   const GemmPlan plan =
-      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma, wgmma_rows);
+      w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma != 0, wgmma_rows);
   *splits = plan.splits;
   *rows = plan.bm;
   const int gs = kind == kNvfp4 ? 16 : group_size;
@@ -92,16 +92,16 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
 }
 
 // The plan itself (for the tests of its rules, with this stand-in's occupancy): mt, mr, m-blocks, tiles, splits, wide
-// (wgmma = 1, 2, 4: the wgmma kernel's plan, whose mt is its rows / 16)
+// (wgmma = 1: the wgmma kernel's plan, whose mt is its rows / 16)
 void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, int wide, int force_splits, int wgmma,
                     int* out) {
   const GemmPlan p =
-      w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma);
+      w4a16_gemm_plan(m, (n + 63) / 64 * 64, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma != 0);
   const int v[6] = {p.mt, p.mr, p.mblocks, p.ntiles, p.splits, p.wide ? 1 : 0};
   std::memcpy(out, v, sizeof(v));
 }
 
-// The wgmma warpgroups the fused path takes by default on a device that has the kernel (0: the mma.sync kernels)
+// Whether the fused path takes the wgmma kernel by default on a device that has it
 int hf_w4_emu_wgmma_rule(int m, int n, int k) { return w4a16_wgmma_rule(m, (n + 63) / 64 * 64, k); }
 
 // The error that stopped the last launch (a return value of -3), e.g. a barrier that cannot complete
