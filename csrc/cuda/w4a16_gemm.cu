@@ -868,12 +868,16 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
       },
       [&](int slot) {
         const Slot& s = ring[slot];
+        // every step's word first: the waits below are memory barriers to the compiler, and a load behind one would
+        // add its latency to the wgmma pipeline's
+        WTile ww[kChunk];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) ww[i] = chunk_word<A, KIND>(s.w[wg], s.s[wg], i, lane, warp);
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) {
           // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
-          const WTile ww = chunk_word<A, KIND>(s.w[wg], s.s[wg], i, lane, warp);
-          dequant_sub<A, KIND>(ww, 0, af[i][0], af[i][2]);
-          dequant_sub<A, KIND>(ww, 1, af[i][1], af[i][3]);
+          dequant_sub<A, KIND>(ww[i], 0, af[i][0], af[i][2]);
+          dequant_sub<A, KIND>(ww[i], 1, af[i][1], af[i][3]);
           wgmma_issue<BF16, ROWS>(acc, af[i], wg_desc(&s.x[i][0][0][0]));
           // the previous step's wgmma (at i = 0 the previous chunk's last) is done: its A registers and slot are free
           wgmma_wait<1, ROWS>(acc);
