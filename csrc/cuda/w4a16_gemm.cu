@@ -826,7 +826,15 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
   const int nchunks = (end - kb + kChunk - 1) / kChunk;
   Slot* ring = reinterpret_cast<Slot*>(smem);
-  ChunkSource<1, KIND> src = chunk_source<1, KIND>(a, kb, has_tile ? nt : ntiles - 1, 0, lane);
+  // This thread's piece of its warpgroup's tile per chunk: warps 0 and 1 the two steps' weights (lane l: 16 bytes l of
+  // step `warp`), warp 2 the scale / zero-point pieces (lane l: the fused kernels' lane l piece), warp 3 none; roles
+  // by warp keep each warp's copies one predicated instruction (the fused kernels' copy_weight_pieces has each lane
+  // copy three pieces, so warp 0 alone would carry them and the other three warps its address arithmetic)
+  const bool wpiece = warp < 2, spiece = warp == 2 && lane < scale_pieces<KIND>();
+  const ChunkSource<1, KIND> cs = chunk_source<1, KIND>(a, kb, has_tile ? nt : ntiles - 1, 0, lane);
+  const int pstep = wpiece ? warp : cs.sstep;  // the piece's step in the chunk
+  uint4* const pdst = wpiece ? &ring[0].w[wg][warp][lane] : &ring[0].s[wg][spiece ? lane : 0];
+  const uint8_t* psrc = wpiece ? reinterpret_cast<const uint8_t*>(cs.w + 128 * warp) : cs.s;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   // This thread's 16-byte pieces of x per chunk, piece p = tid + j 128 NWG: (step, row, k half), a fixed number per
   // thread (copies unrolled and predicated: one basic block); their sources advance one chunk at a time
@@ -848,13 +856,20 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
 #pragma unroll
   for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
   uint32_t af[kChunk][4] = {};  // A of each step of a chunk: step i's wgmma runs while step i + 1 is dequantized
+  constexpr int kSlotUnits = sizeof(Slot) / 16;
   stream_ring<kWgSlots, 2>(
       nchunks,
       [&](int slot, int c) {
         const int kt = kb + kChunk * c;
         const bool issue = c < nchunks;
-        copy_weight_pieces(ring[slot].w[wg], ring[slot].s[wg], src, a, kt, end, lane, gsteps, issue && warp == 0);
-        advance(src, kChunk);
+        // zero-filled past the split's end (the second step of a short last chunk): it adds 0 x (finite weights)
+        const bool in = kt + pstep < end;
+        const uint8_t* from = psrc;
+        if constexpr (KIND != kNvfp4)  // int4 scales and zero points: their group's row (128 and 64 bytes)
+          if (!wpiece && in)
+            from += (size_t)step_group(kt + pstep, gsteps, a.group_shift) * (lane < 8 * kChunk ? 128 : 64);
+        cp_async16(pdst + slot * kSlotUnits, in ? from : a.scales, in, issue && (wpiece || spiece));
+        if (wpiece || KIND == kNvfp4) psrc += wpiece ? kChunk * 512 : kChunk * 64;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) {
           const bool full = xrow[j] && kt + xstep[j] < end;
