@@ -206,3 +206,15 @@ def test_kernel_declines_cpu_and_odd_groups():
         assert not ok and "CUDA" in why
         ok, why = cw.CudaW4A16Kernel.can_implement(spec, 64, 64, torch.device("cuda"), torch.bfloat16)
         assert not ok and "CUDA library" in why
+
+
+def test_large_m_default_and_setting(monkeypatch):
+    """Layers dequantize for cuBLAS from 128 rows, or from 320 where their fused path is the wgmma kernel (read when a
+    layer is prepared); HF_W4_CUDA_LARGE_M replaces both, and a value that is not a number is an error naming it."""
+    monkeypatch.delenv("HF_W4_CUDA_LARGE_M", raising=False)
+    assert (cw.large_m(), cw.large_m(True)) == (128, 320)
+    monkeypatch.setenv("HF_W4_CUDA_LARGE_M", "64")
+    assert (cw.large_m(), cw.large_m(True)) == (64, 64)
+    monkeypatch.setenv("HF_W4_CUDA_LARGE_M", "many")
+    with pytest.raises(ValueError, match="HF_W4_CUDA_LARGE_M='many': expected an integer number of rows"):
+        cw.large_m()
