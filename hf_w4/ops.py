@@ -334,10 +334,11 @@ torch.library.register_autograd(
 # Kernel layout (csrc/cuda/w4a16_math.cuh; packed and read back in hf_w4/kernels/cuda_w4a16.py): qpack int32
 # [Npad/64, K/16, 32, 4] (Npad = N rounded up to 64, padding columns hold code 0; each 64-column strip's K steps
 # contiguous), the mma.sync B fragments of each k16 x n64 tile in lane order; int4 scales in x's dtype and zero points
-# uint8 [Npad/64, G, 8, 8] (zeros None = symmetric, 8), nvfp4 scales E4M3 bytes uint8 [Npad/64, K/16, 8, 8]. K columns in act-order (the caller permutes x).
-# gemm: x [M, K] fp16 / bf16 -> [M, N] in x's dtype, fused dequantization (meant for small M; any M runs); nvfp4
-# multiplies by global_scale in fp32 before the output cast. dequant: the dense [N, K] weight in ``dtype`` (nvfp4:
-# global scale applied in fp32, then one rounding), for the large-M path and for tests.
+# uint8 [Npad/64, G, 8, 8] (zeros None = symmetric, 8), nvfp4 scales E4M3 bytes uint8 [Npad/64, K/16, 8, 8]. K
+# columns in act-order (the caller permutes x). gemm: x [M, K] fp16 / bf16 -> [M, N] in x's dtype, fused
+# dequantization (meant for small M; any M runs); nvfp4 multiplies by global_scale in fp32 before the output cast.
+# dequant: the dense [N, K] weight in ``dtype`` (nvfp4: global scale applied in fp32, then one rounding), for the
+# large-M path and for tests.
 lib.define("cuda_w4a16_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor? zeros, Tensor? bias, int n, "
            "int group_size, str weight_type, float global_scale=1.0) -> Tensor")
 lib.define("cuda_w4a16_dequant(Tensor qpack, Tensor scales, Tensor? zeros, int n, int k, int group_size, "

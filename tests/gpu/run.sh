@@ -84,7 +84,8 @@ if command -v ncu >/dev/null; then
       --section WarpStateStats --section SchedulerStats --section Occupancy \
       --metrics smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
       python tests/gpu/profile_cuda.py $1 $2 $3 int4 > "$f" 2>&1;
-    grep -E "plan|Duration|DRAM Throughput|Compute \(SM\)|L2 Cache Throughput|Achieved Occupancy|Warp Cycles Per Issued|No Eligible|inst_executed" "$f" ||
+    grep -E "plan|Duration|DRAM Throughput|Compute \(SM\)|L2 Cache Throughput|Achieved Occupancy|Warp Cycles Per \
+Issued|No Eligible|inst_executed" "$f" ||
       { echo "ncu read no counters here (informational, not a failure):"; tail -n 3 "$f"; };
     grep -E "stalled" "$f" | sort -g -k3 -r | head -n 6; done'
 else
