@@ -100,6 +100,8 @@ struct PendingWgmma {
   float* d;
   size_t values;
   std::shared_ptr<IssuedWgmma> op;
+  const uint32_t* a;  // the thread's A registers (a variable of the kernel), which must hold `issued` until the wait
+  uint32_t issued[4];
 };
 
 // A thread's asynchronous operations of one kind (cp.async, wgmma): those since its last commit and the committed
@@ -523,10 +525,14 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
     bs->wg_reads.push_back(op);
   }
   warpgroup_barrier();  // the record exists; every thread has taken the deposits
-  bs->fibers[bs->current].wgmmas.open.push_back(PendingWgmma{d, V, bs->wg_issued[tid() / 128]});
+  bs->fibers[bs->current].wgmmas.open.push_back(
+      PendingWgmma{d, V, bs->wg_issued[tid() / 128], a, {a[0], a[1], a[2], a[3]}});
 }
 
 inline void run_wgmma(const PendingWgmma& share) {
+  // the GPU may read A's registers up to the wait that completes the wgmma: writing them earlier is a race
+  if (!std::equal(share.issued, share.issued + 4, share.a))
+    return fail("the A registers of a wgmma in flight were overwritten before the wait that completes it");
   const IssuedWgmma& op = *share.op;
   auto half = [&](uint32_t v, int h) {
     const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));

@@ -14,11 +14,15 @@ using hf_w4::cuda::smem;
 // asks for
 void wgmma_kernel(int fault) {
   float d[32] = {};
-  const uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+  uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
   const uint64_t swizzle = fault == 4 ? 1ull << 62 : 0;  // 128-byte swizzle
   const uint64_t desc = (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32 | swizzle;  // start 0
   hf_w4_emu::wgmma_m64k16_async<false>(d, a, desc, 64);
   hf_w4_emu::wgmma_commit();
+  if (fault == 6) {  // the next step's A written into the registers the wgmma in flight still reads
+    a[0] = 0x40004000u;
+    hf_w4_emu::wgmma_wait(0);
+  }
   if (fault == 0) {  // waited for by every thread of the warpgroup: B's bytes are free again
     hf_w4_emu::wgmma_wait(0);
     __syncthreads();
@@ -45,7 +49,8 @@ extern "C" {
 
 // Launches fault case `which` (0: no fault; 1: cp.async into an in-flight wgmma's B; 2: a thread exits with a wgmma in
 // flight; 3: a barrier that cannot complete; 4: a swizzled wgmma descriptor; 5: more dynamic shared memory than an
-// SM has); 0 if the launch came back without an error, else -3 (the error: hf_w4_emu_fault_error)
+// SM has; 6: A's registers written while a wgmma reads them); 0 if the launch came back without an error, else -3
+// (the error: hf_w4_emu_fault_error)
 int hf_w4_emu_fault(int which) {
   hf_w4_emu::launch_error().clear();
   if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
