@@ -714,7 +714,7 @@ __device__ __forceinline__ void fence_proxy_async() {
       "+f"(d[i + 7])
 
 // Issues d (64 x N, fp32, this thread's N / 2 values) += A (64 x 16, registers) x B (16 x N, shared memory at desc)
-// as a commit group of its own, N = 64, 128 or 256. Until wgmma_wait has completed it, d must not be touched and A's
+// as a commit group of its own, N = 64 or 128. Until wgmma_wait has completed it, d must not be touched and A's
 // registers and B's shared memory must keep their contents (wgmmas on the same d may be issued meanwhile: they run in
 // order).
 template <bool BF16, int N>
@@ -802,12 +802,12 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[kChunk][32], const 
 #endif
 
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
-// blockIdx.x) over its split of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warp 0 of each
-// warpgroup copies its tile's weights and scales (copy_weight_pieces), all threads the shared rows of x, rows past M
-// zero-filled. Each step's wgmma runs while the next step is dequantized (two A register sets, wait_group 1), so a
-// chunk's last wgmma may still read its slot at the next chunk's barrier: the ring refills the slot of the chunk
-// before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the fused kernels: every
-// split stores its partial tile, and the last block to arrive at a tile's counter adds them in split order.
+// blockIdx.x) over its split of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warps 0-2 of
+// each warpgroup copy its tile's weights and scales, all threads the shared rows of x, rows past M zero-filled. Each
+// step's wgmma runs while the next step is dequantized (two A register sets, wait_group 1), so a chunk's last wgmma may
+// still read its slot at the next chunk's barrier: the ring refills the slot of the chunk before (stream_ring's LAG =
+// 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the fused kernels: every split stores its partial tile,
+// and the last block to arrive at a tile's counter adds them in split order.
 template <bool BF16, int KIND, int NWG, int ROWS>
 __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                                  const int steps_per_split) {
@@ -815,12 +815,11 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   using A = DevAct<BF16>;
   using Slot = WgSlot<KIND, NWG, ROWS>;
   extern __shared__ uint4 smem[];
-  // (NWG = 1: constants, not a register each)
-  const int tid = threadIdx.x, wg = NWG == 1 ? 0 : tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int mb = blockIdx.x, nt = NWG * blockIdx.y + wg, m0 = mb * ROWS, split = blockIdx.z;
   // A warpgroup past the last tile multiplies the last one again and stores nothing: no branch around the wgmma
   // (ptxas serializes the wgmma pipeline where it sits in a path it cannot prove uniform)
-  const bool has_tile = NWG == 1 || nt < ntiles;
+  const bool has_tile = nt < ntiles;
   const int g = lane >> 2, t = lane & 3;
   const int gsteps = a.group_size >> 4, ksteps = a.k / 16, kb = split * steps_per_split;
   const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
