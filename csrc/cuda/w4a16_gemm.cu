@@ -193,8 +193,8 @@ __device__ __forceinline__ void dequant_sub(const WTile& t, int sub, uint32_t& b
 // in x[mt][r][0..3]; the fifth piece pads rows to 80 bytes, so the fragment reads of a warp hit 32 distinct banks)
 // and the tile's scale rows (int4: 64 scales per step, then 64 zero-point bytes per step if asymmetric; nvfp4: 64
 // E4M3 bytes per step).
-template <int KIND>
-constexpr int scale_pieces() { return KIND == kNvfp4 ? 4 * kChunk : (KIND == kInt4Asym ? 12 * kChunk : 8 * kChunk); }
+template <int KIND, int STEPS = kChunk>
+constexpr int scale_pieces() { return KIND == kNvfp4 ? 4 * STEPS : (KIND == kInt4Asym ? 12 * STEPS : 8 * STEPS); }
 
 // MR: the rows of each m16 tile that are staged (8 where M <= 8: rows 8..15 of the only tile read as zero anyway,
 // and the smaller slots let more blocks reside)
@@ -216,7 +216,9 @@ constexpr int ring_slots() { return MR == 8 || MT == 4 ? 3 : 4; }
 template <int MT, int MR, int KIND>
 constexpr int ring_bytes() { return 4 * ring_slots<MT, MR>() * (int)sizeof(ChunkSlot<MT, MR, KIND>); }
 
-// Per-lane sources of a chunk's copies, advanced by one chunk of the warp (4 kChunk k16 steps) per slot
+// Per-lane sources of a chunk's copies, advanced by one chunk of the warp (4 kChunk k16 steps) per slot. The scale
+// pieces are those of chunks of STEPS k16 steps (the wgmma kernel's are longer), one per ``lane`` below
+// scale_pieces<KIND, STEPS>() (there: the thread of the warpgroup, which also makes w its step lane / 32 piece).
 template <int MT, int KIND>
 struct ChunkSource {
   const int32_t* w;   // lane's 16 bytes of step kt
@@ -227,7 +229,7 @@ struct ChunkSource {
   bool scopy;         // whether this lane copies a scale piece
 };
 
-template <int MT, int KIND>
+template <int MT, int KIND, int STEPS = kChunk>
 __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a, int kt, int nt, int m0, int lane) {
   const int ksteps = a.k / 16;
   ChunkSource<MT, KIND> c;
@@ -238,17 +240,17 @@ __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a,
   for (int mt = 0; mt < MT; ++mt) c.xrows += m0 + mt * 16 + (lane >> 1) < a.m;
   c.sstep = 0;
   c.s = static_cast<const uint8_t*>(a.scales);  // lanes without a piece: any address, never read
-  c.scopy = lane < scale_pieces<KIND>();
+  c.scopy = lane < scale_pieces<KIND, STEPS>();
   if (c.scopy) {
     if constexpr (KIND == kNvfp4) {  // lanes 4 i .. 4 i + 3: step i's 64 bytes
       c.sstep = lane >> 2;
       c.s = static_cast<const uint8_t*>(a.scales) + group_row(kt + c.sstep, nt, ksteps) + (lane & 3) * 16;
-    } else if (lane < 8 * kChunk) {  // lanes 8 i .. 8 i + 7: step i's 64 scales (128 bytes)
+    } else if (lane < 8 * STEPS) {  // lanes 8 i .. 8 i + 7: step i's 64 scales (128 bytes)
       c.sstep = lane >> 3;
       c.s = reinterpret_cast<const uint8_t*>(static_cast<const uint16_t*>(a.scales) +
                                              group_row(0, nt, a.k / a.group_size)) + (lane & 7) * 16;
-    } else {  // asymmetric: lanes 8 kChunk + 4 i ..: step i's 64 zero-point bytes
-      c.sstep = (lane - 8 * kChunk) >> 2;
+    } else {  // asymmetric: lanes 8 STEPS + 4 i ..: step i's 64 zero-point bytes
+      c.sstep = (lane - 8 * STEPS) >> 2;
       c.s = a.zeros + group_row(0, nt, a.k / a.group_size) + (lane & 3) * 16;
     }
   }
@@ -309,7 +311,9 @@ __device__ __forceinline__ void advance(ChunkSource<MT, KIND>& c, int steps) {
 // copies (none past nchunks) and advances the sources; sync() makes chunk c visible to every thread that reads it and
 // orders the reads of chunk c - LAG's slot before that slot is refilled; compute(slot) consumes chunk c. LAG = 2
 // where the reads of a chunk may still be in flight when the next chunk's sync() is reached (the wgmma kernel).
-template <int WS, int LAG = 1, class Fill, class Sync, class Compute>
+// UNROLL: the loop runs WS chunks per iteration, so that every slot index is a constant (the addresses of a slot's
+// copies, reads and wgmma descriptors fold into immediates), with one uniform exit test per chunk.
+template <int WS, int LAG = 1, bool UNROLL = false, class Fill, class Sync, class Compute>
 __device__ __forceinline__ void stream_ring(int nchunks, Fill&& fill, Sync&& sync, Compute&& compute) {
   static_assert(LAG >= 1 && WS - LAG >= 2, "a chunk in flight ahead of the one computed");
 #pragma unroll
@@ -317,16 +321,30 @@ __device__ __forceinline__ void stream_ring(int nchunks, Fill&& fill, Sync&& syn
     fill(p, p);
     cp_async_commit();
   }
-  int slot = 0, refill = WS - LAG;  // chunk c's slot, and chunk c - LAG's (chunk c + WS - LAG's)
-  for (int c = 0; c < nchunks; ++c) {
-    // WS - LAG + c groups committed; all but the newest WS - LAG - 1 done means groups 0..c are
-    cp_async_wait<WS - LAG - 1>();
-    sync();
-    fill(refill, c + WS - LAG);
-    cp_async_commit();
-    compute(slot);
-    refill = LAG == 1 ? slot : (refill + 1 == WS ? 0 : refill + 1);
-    slot = slot + 1 == WS ? 0 : slot + 1;
+  // WS - LAG + c groups committed before chunk c; all but the newest WS - LAG - 1 done means groups 0..c are
+  if constexpr (UNROLL) {
+    for (int c0 = 0; c0 < nchunks; c0 += WS) {
+#pragma unroll
+      for (int u = 0; u < WS; ++u) {
+        if (c0 + u >= nchunks) break;
+        cp_async_wait<WS - LAG - 1>();
+        sync();
+        fill((u + WS - LAG) % WS, c0 + u + WS - LAG);
+        cp_async_commit();
+        compute(u);
+      }
+    }
+  } else {
+    int slot = 0, refill = WS - LAG;  // chunk c's slot, and chunk c - LAG's (chunk c + WS - LAG's)
+    for (int c = 0; c < nchunks; ++c) {
+      cp_async_wait<WS - LAG - 1>();
+      sync();
+      fill(refill, c + WS - LAG);
+      cp_async_commit();
+      compute(slot);
+      refill = LAG == 1 ? slot : (refill + 1 == WS ? 0 : refill + 1);
+      slot = slot + 1 == WS ? 0 : slot + 1;
+    }
   }
   cp_async_wait<0>();
 }
@@ -671,16 +689,20 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 // of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold. Built with NWG = 4 and
 // ROWS = 64 or 128: on an H100 blocks of 1 or 2 warpgroups (and 256 rows, which only they can hold) were slower at
 // every shape and M measured. The body exists only in sm_90a code.
-// chunks in the block's ring: 3 in flight while one is computed and the previous one's last wgmma may still read its
-// slot
-constexpr int kWgSlots = 5;
+// k16 steps per chunk: one per warp of a warpgroup, each of whose threads copies one 16-byte piece of weights per
+// chunk; twice the fused kernels' chunk, so the block-wide barrier, the proxy fence and the copies' bookkeeping come
+// once per four wgmma of a warpgroup
+constexpr int kWgSteps = 4;
+// chunks in the block's ring: 2 in flight (8 k16 steps) while one is computed and the previous one's last wgmma may
+// still read its slot
+constexpr int kWgSlots = 4;
 
 template <int KIND, int NWG, int ROWS>
 struct WgSlot {
   static_assert(ROWS == 64 || ROWS == 128, "wgmma n = 64 or 128 rows of x");
-  uint4 w[NWG][kChunk][32];
-  uint4 s[NWG][scale_pieces<KIND>()];
-  uint4 x[kChunk][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
+  uint4 w[NWG][kWgSteps][32];
+  uint4 s[NWG][scale_pieces<KIND, kWgSteps>()];
+  uint4 x[kWgSteps][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
 };
 template <int KIND, int NWG, int ROWS>
 constexpr int wg_ring_bytes() { return kWgSlots * (int)sizeof(WgSlot<KIND, NWG, ROWS>); }
@@ -696,7 +718,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 #endif
 }
 // wgmma shared-memory descriptor of a K-major B operand without swizzle: start address, the offset between the two
-// core matrices of a k16 step (K direction, 128 bytes) and between 8-row groups (256 bytes), all in 16-byte units
+// core matrices of a k16 step (K direction, 128 bytes) and between 8-row groups (256 bytes), all in 16-byte units.
+// Adding n to it moves the start n x 16 bytes: the 14-bit start field spans all 228 KB of shared memory (no carry).
 __device__ __forceinline__ uint64_t wg_desc(const void* b) {
   return (uint64_t)((smem_addr(b) >> 4) & 0x3fff) | (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;
 }
@@ -785,8 +808,8 @@ __device__ __forceinline__ void keep_until_here(const uint32_t (&a)[4]) {
 // Word j of a lane's tile of step i of a chunk (chunk_tile's weights, scales, zero points of sub-tiles 2 j, 2 j + 1)
 // as sub-tiles 0 and 1, read alone from shared memory: a warp-dependent j indexes addresses, not registers (selects
 // from whole 16-byte loads, or local memory), and NVFP4 decodes one scale pair, not four
-template <class A, int KIND>
-__device__ __forceinline__ WTile chunk_word(const uint4 (&w)[kChunk][32], const uint4* s, int i, int lane, int j) {
+template <class A, int KIND, int STEPS>
+__device__ __forceinline__ WTile chunk_word(const uint4 (&w)[STEPS][32], const uint4* s, int i, int lane, int j) {
   const int g = lane >> 2;
   WTile r;
   r.w = make_uint4(reinterpret_cast<const uint32_t*>(&w[i][lane])[j], 0u, 0u, 0u);
@@ -795,27 +818,29 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[kChunk][32], const 
     r.s = make_uint4(scale_pair<A>(reinterpret_cast<const uint16_t*>(s + 4 * i)[4 * g + j], 0), 0u, 0u, 0u);
   } else {
     r.s = make_uint4(reinterpret_cast<const uint32_t*>(s + 8 * i + g)[j], 0u, 0u, 0u);
-    if constexpr (KIND == kInt4Asym) r.z.x = reinterpret_cast<const uint16_t*>(s + 8 * kChunk + 4 * i)[4 * g + j];
+    if constexpr (KIND == kInt4Asym) r.z.x = reinterpret_cast<const uint16_t*>(s + 8 * STEPS + 4 * i)[4 * g + j];
   }
   return r;
 }
 #endif
 
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
-// blockIdx.x) over its split of K, chunks of kChunk steps through a block-wide ring of kWgSlots slots: warps 0-2 of
-// each warpgroup copy its tile's weights and scales, all threads the shared rows of x, rows past M zero-filled. Each
-// step's wgmma runs while the next step is dequantized (two A register sets, wait_group 1), so a chunk's last wgmma may
-// still read its slot at the next chunk's barrier: the ring refills the slot of the chunk before (stream_ring's LAG =
-// 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the fused kernels: every split stores its partial tile,
-// and the last block to arrive at a tile's counter adds them in split order.
+// blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of kWgSlots slots: thread q of
+// a warpgroup copies piece q of its tile's weights (step q / 32) and scale / zero-point piece q if there is one, all
+// threads the shared rows of x, rows past M zero-filled. Each step's wgmma runs while the next step is dequantized
+// (wait_group 1), so a chunk's last wgmma may still read its slot at the next chunk's barrier: the ring refills the
+// slot of the chunk before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the
+// fused kernels: every split stores its partial tile, and the last block to arrive at a tile's counter adds them in
+// split order.
 template <bool BF16, int KIND, int NWG, int ROWS>
 __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles, const int splits,
                                                                  const int steps_per_split) {
 #if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using A = DevAct<BF16>;
   using Slot = WgSlot<KIND, NWG, ROWS>;
+  constexpr int S = kWgSteps;
   extern __shared__ uint4 smem[];
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7, q = tid & 127, warp = q >> 5, lane = tid & 31;
   const int mb = blockIdx.x, nt = NWG * blockIdx.y + wg, m0 = mb * ROWS, split = blockIdx.z;
   // A warpgroup past the last tile multiplies the last one again and stores nothing: no branch around the wgmma
   // (ptxas serializes the wgmma pipeline where it sits in a path it cannot prove uniform)
@@ -823,79 +848,73 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   const int g = lane >> 2, t = lane & 3;
   const int gsteps = a.group_size >> 4, ksteps = a.k / 16, kb = split * steps_per_split;
   const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
-  const int nchunks = (end - kb + kChunk - 1) / kChunk;
+  const int nchunks = (end - kb + S - 1) / S;
   Slot* ring = reinterpret_cast<Slot*>(smem);
-  // This thread's piece of its warpgroup's tile per chunk: warps 0 and 1 the two steps' weights (lane l: 16 bytes l of
-  // step `warp`), warp 2 the scale / zero-point pieces (lane l: the fused kernels' lane l piece), warp 3 none; roles
-  // by warp keep each warp's copies one predicated instruction (the fused kernels' copy_weight_pieces has each lane
-  // copy three pieces, so warp 0 alone would carry them and the other three warps its address arithmetic)
-  const bool wpiece = warp < 2, spiece = warp == 2 && lane < scale_pieces<KIND>();
-  const ChunkSource<1, KIND> cs = chunk_source<1, KIND>(a, kb, has_tile ? nt : ntiles - 1, 0, lane);
-  const int pstep = wpiece ? warp : cs.sstep;  // the piece's step in the chunk
-  uint4* const pdst = wpiece ? &ring[0].w[wg][warp][lane] : &ring[0].s[wg][spiece ? lane : 0];
-  const uint8_t* psrc = wpiece ? reinterpret_cast<const uint8_t*>(cs.w + 128 * warp) : cs.s;
+  // This thread's weight piece (step `warp`, 16 bytes `lane`: the packed strip is contiguous along K, so piece q of
+  // a chunk lies 16 q bytes past its start) and scale piece (q below scale_pieces, step cs.sstep)
+  ChunkSource<1, KIND> cs = chunk_source<1, KIND, S>(a, kb, has_tile ? nt : ntiles - 1, 0, q);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  // This thread's 16-byte pieces of x per chunk, piece p = tid + j 128 NWG: (step, row, k half), a fixed number per
-  // thread (copies unrolled and predicated: one basic block); their sources advance one chunk at a time
-  constexpr int kPieces = kChunk * ROWS * 2, kPer = (kPieces + 128 * NWG - 1) / (128 * NWG);
-  const uint16_t* xsrc[kPer];
-  int xoff[kPer], xstep[kPer];  // destination (uint4 index in a slot's x), step in the chunk
-  bool xrow[kPer], xcopy[kPer];  // the row is below M; the thread has the piece
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    xcopy[j] = kPieces % (128 * NWG) == 0 || tid + j * 128 * NWG < kPieces;
-    const int p = xcopy[j] ? tid + j * 128 * NWG : 0;
-    const int row = (p >> 1) % ROWS, half = p & 1;
-    xstep[j] = p / (2 * ROWS);
-    xoff[j] = ((xstep[j] * (ROWS / 8) + (row >> 3)) * 2 + half) * 8 + (row & 7);
-    xrow[j] = m0 + row < a.m;
-    xsrc[j] = xrow[j] ? x + (size_t)(m0 + row) * a.k + (kb + xstep[j]) * 16 + half * 8 : x;
-  }
+  // This thread's 16-byte pieces of x per chunk: row (tid / 2) % ROWS, k half tid % 2, steps xstep + j kStride
+  constexpr int kStride = 128 * NWG / (2 * ROWS), kPer = S / kStride;
+  static_assert(kStride * 2 * ROWS == 128 * NWG && kPer * kStride == S, "the threads cover a chunk's rows evenly");
+  const int row = (tid >> 1) % ROWS, half = tid & 1, xstep = tid / (2 * ROWS);
+  const int xoff = ((xstep * (ROWS / 8) + (row >> 3)) * 2 + half) * 8 + (row & 7);  // uint4 index in a slot's x
+  const bool xrow = m0 + row < a.m;
+  const uint16_t* xsrc = xrow ? x + (size_t)(m0 + row) * a.k + (kb + xstep) * 16 + half * 8 : x;
+  // slot 0's destinations and B descriptor: the other slots' are constant offsets from them
+  uint4* const wdst = &ring[0].w[wg][warp][lane];
+  uint4* const sdst = &ring[0].s[wg][cs.scopy ? q : 0];
+  uint4* const xdst = &ring[0].x[0][0][0][0] + xoff;
+  const uint64_t desc0 = wg_desc(&ring[0].x[0][0][0][0]);
+  constexpr int kSlotUnits = sizeof(Slot) / 16, kStepUnits = 2 * ROWS;  // uint4 per slot, per step of x
   float acc[ROWS / 2];
 #pragma unroll
   for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
-  uint32_t af[kChunk][4] = {};  // A of each step of a chunk: step i's wgmma runs while step i + 1 is dequantized
-  constexpr int kSlotUnits = sizeof(Slot) / 16;
-  stream_ring<kWgSlots, 2>(
+  uint32_t af[S][4] = {};  // A of each step of a chunk: step i's wgmma runs while step i + 1 is dequantized
+  stream_ring<kWgSlots, 2, true>(
       nchunks,
       [&](int slot, int c) {
-        const int kt = kb + kChunk * c;
+        const int kt = kb + S * c;
         const bool issue = c < nchunks;
-        // zero-filled past the split's end (the second step of a short last chunk): it adds 0 x (finite weights)
-        const bool in = kt + pstep < end;
-        const uint8_t* from = psrc;
-        if constexpr (KIND != kNvfp4)  // int4 scales and zero points: their group's row (128 and 64 bytes)
-          if (!wpiece && in)
-            from += (size_t)step_group(kt + pstep, gsteps, a.group_shift) * (lane < 8 * kChunk ? 128 : 64);
-        cp_async16(pdst + slot * kSlotUnits, in ? from : a.scales, in, issue && (wpiece || spiece));
-        if (wpiece || KIND == kNvfp4) psrc += wpiece ? kChunk * 512 : kChunk * 64;
+        // zero-filled past the split's end (the last steps of a short last chunk): they add 0 x (finite weights)
+        const bool win = kt + warp < end, sin = kt + cs.sstep < end;
+        cp_async16(wdst + slot * kSlotUnits, win ? cs.w : a.qpack, win, issue);
+        cs.w += S * 128;
+        const uint8_t* from = cs.s;
+        if constexpr (KIND != kNvfp4) {  // int4 scales and zero points: their group's row (128 and 64 bytes)
+          if (sin) from += (size_t)step_group(kt + cs.sstep, gsteps, a.group_shift) * (q < 8 * S ? 128 : 64);
+        } else {
+          cs.s += S * 64;
+        }
+        cp_async16(sdst + slot * kSlotUnits, sin ? from : a.scales, sin, issue && cs.scopy);
 #pragma unroll
         for (int j = 0; j < kPer; ++j) {
-          const bool full = xrow[j] && kt + xstep[j] < end;
-          cp_async16(&ring[slot].x[0][0][0][0] + xoff[j], full ? xsrc[j] : x, full, issue && xcopy[j]);
-          xsrc[j] += kChunk * 16;
+          const bool full = xrow && kt + xstep + j * kStride < end;
+          cp_async16(xdst + slot * kSlotUnits + j * kStride * kStepUnits, full ? xsrc + j * kStride * 16 : x, full,
+                     issue);
         }
+        xsrc += S * 16;
       },
       [] {
         fence_proxy_async();
         __syncthreads();
       },
       [&](int slot) {
-        const Slot& s = ring[slot];
+        const Slot& r = ring[slot];
         // every step's word first: the waits below are memory barriers to the compiler, and a load behind one would
         // add its latency to the wgmma pipeline's
-        WTile ww[kChunk];
+        WTile ww[S];
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) ww[i] = chunk_word<A, KIND>(s.w[wg], s.s[wg], i, lane, warp);
+        for (int i = 0; i < S; ++i) ww[i] = chunk_word<A, KIND, S>(r.w[wg], r.s[wg], i, lane, warp);
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
+        for (int i = 0; i < S; ++i) {
           // rows 16 w + g (+ 8) = columns of sub-tiles 2 w, 2 w + 1; k 2t.. and 2t + 8..
           dequant_sub<A, KIND>(ww[i], 0, af[i][0], af[i][2]);
           dequant_sub<A, KIND>(ww[i], 1, af[i][1], af[i][3]);
-          wgmma_issue<BF16, ROWS>(acc, af[i], wg_desc(&s.x[i][0][0][0]));
+          wgmma_issue<BF16, ROWS>(acc, af[i], desc0 + (slot * kSlotUnits + i * kStepUnits));
           // the previous step's wgmma (at i = 0 the previous chunk's last) is done: its A registers and slot are free
           wgmma_wait<1, ROWS>(acc);
-          keep_until_here(af[(i + kChunk - 1) % kChunk]);
+          keep_until_here(af[(i + S - 1) % S]);
         }
       });
   wgmma_wait<0, ROWS>(acc);
@@ -1195,7 +1214,7 @@ GemmPlan w4a16_gemm_plan(int m, int npad, int k, bool bf16, int kind, int sms, i
     const int rows = wgmma_rows == 64 || wgmma_rows == 128 ? wgmma_rows : wgmma_rows_for(m);
     const int bps = w4a16_gemm_blocks_per_sm(rows / 16, 16, bf16, kind, false, true);
     if (blocks_per_sm) *blocks_per_sm = bps;
-    GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, kWgmmaWarpgroups);
+    GemmPlan p = plan_gemm(m, npad, k, sms * bps, rows / 16, false, splits, kWgmmaWarpgroups, kWgSteps);
     p.wgmma = kWgmmaWarpgroups;
     p.mr = 16;
     return p;

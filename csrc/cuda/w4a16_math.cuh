@@ -175,9 +175,10 @@ struct GemmPlan {
 
 // mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT; the wgmma kernel: rows / 16);
 // splits: 0 = one wave of ``slots`` blocks at most, else that many (HF_W4_CUDA_SPLITS), within the same bounds of
-// 1 .. K / 128; tiles: the column tiles of a block (the wide kernel's 4; the wgmma kernel's warpgroups)
+// 1 .. K / 128; tiles: the column tiles of a block (the wide kernel's 4; the wgmma kernel's warpgroups); chunk: the
+// k16 steps of the kernel's chunks, which a split's length is rounded up to
 inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wide = false, int splits = 0,
-                          int tiles = 1) {
+                          int tiles = 1, int chunk = kChunk) {
   GemmPlan p;
   p.mt = mt ? mt : plan_mt(m, k);
   p.mr = plan_rows(m, p.mt);
@@ -192,7 +193,7 @@ inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wi
   int s = splits > 0 ? splits : slots / blocks;
   const int max_s = ksteps / 8 > 1 ? ksteps / 8 : 1;  // at least 8 k16 steps (one chunk per warp) per split
   s = s < 1 ? 1 : (s > max_s ? max_s : s);
-  p.steps_per_split = ((ksteps + s - 1) / s + kChunk - 1) / kChunk * kChunk;
+  p.steps_per_split = ((ksteps + s - 1) / s + chunk - 1) / chunk * chunk;
   p.splits = (ksteps + p.steps_per_split - 1) / p.steps_per_split;
   p.ws_floats = p.splits > 1 ? (int64_t)p.mblocks * p.ntiles * p.splits * p.bm * 64 : 0;
   p.counters = p.splits > 1 ? p.mblocks * p.ntiles : 0;

@@ -240,7 +240,7 @@ def test_plan_reports_a_split_covering_k(monkeypatch):
 def test_wgmma_kernel_against_exact_weights(monkeypatch, name, dtype):
     """HF_W4_CUDA_WGMMA=1 on an H100 / H200 (the library is built for sm_90a there): blocks of 4 warpgroups x 64
     columns (N = 136: 3 column tiles, so a warpgroup is past the last) x 64 rows up to M = 64, else 128, and 64 and 128
-    rows forced (HF_W4_CUDA_WGMMA_ROWS); K in 4 splits (the plan's on this narrow layer: 10, 10, 10 and 7 k16 steps)
+    rows forced (HF_W4_CUDA_WGMMA_ROWS); K in 4 splits (the plan's on this narrow layer: 12, 12, 12 and 1 k16 steps)
     or 1 (forced); every weight kind, a bias, partial and several m-blocks, a short last chunk (K = 592)."""
     case = next(c for c in LAYOUTS if c[0] == name)
     _, layout, sym, ao, zp1 = case

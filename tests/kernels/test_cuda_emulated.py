@@ -159,8 +159,8 @@ def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
 def test_wgmma_kernel_emulated(emu, name, dtype):
     """The sm_90a wgmma kernel (forced; blocks of 4 warpgroups x 64 columns, 64 or 128 rows): every weight kind, both
     dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a warpgroup past the last
-    tile), K with a short last chunk (37 k16 steps), K split (the plan fills 132 SMs: 4 splits of 10 steps, the last
-    one short) and not."""
+    tile), K with a short last chunk (37 k16 steps), K split (the plan fills 132 SMs: 4 splits of 12 steps, whole
+    chunks, the last one short) and not."""
     n, k = 136, 592
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else -1, n, k, dtype, seed=12)
     # (M, forced rows, forced splits, rows)
@@ -171,6 +171,21 @@ def test_wgmma_kernel_emulated(emu, name, dtype):
         assert (layer.rows, planned) == (rows, splits or 4), (m, forced, layer.rows, planned)
         check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma rows={rows} M={m} "
                             f"splits={planned}")
+
+
+@pytest.mark.parametrize("name", ["gptq_sym", "awq"])
+@pytest.mark.parametrize("gs", [16, 32, 48, 128])
+def test_wgmma_kernel_group_sizes_emulated(emu, name, gs):
+    """The wgmma kernel's scale rows per k16 step of its 4-step chunks: groups of 1, 2 and 8 steps and of 3 (groups
+    straddle chunks and splits; the group index by division); 128 and 64 rows per block; K in the plan's 6 splits of
+    8 steps, in 4 of 12 and in 1."""
+    n, k = 136, 768
+    layer, wk, g, gen, bias = _layer_and_bias(name, gs, n, k, torch.float16, seed=gs)
+    for m, splits, planned_splits in ((70, 0, 6), (33, 5, 4), (33, 1, 1)):
+        x = torch.randn(m, k, generator=gen).to(torch.float16)
+        y, planned = layer.gemm(emu, x, torch.float16, bias, splits=splits, wgmma=1)
+        assert planned == planned_splits, (m, splits, planned)
+        check_kernel_output(y, x, wk, g, bias, U[torch.float16], False, f"{name} g{gs} wgmma M={m} splits={planned}")
 
 
 @pytest.mark.parametrize("case,error", [(0, None), (1, "that an issued wgmma may still read"),

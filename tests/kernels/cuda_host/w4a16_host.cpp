@@ -169,7 +169,8 @@ uint32_t hf_w4_host_int4(uint32_t v, uint32_t z, int bf16) {
 
 extern "C" {
 // The fused kernel's work split for (M, Npad, K) with ``slots`` resident blocks: every k16 step is run by exactly one
-// (split, warp, chunk) and the split count matches the grid; returns the violations, and the plan's splits in *splits.
+// (split, warp, chunk) and the split count matches the grid (and the wgmma kernel's splits cover K in whole chunks);
+// returns the violations, and the plan's splits in *splits.
 int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
   const GemmPlan p = plan_gemm(m, npad, k, slots);
   *splits = p.splits;
@@ -192,6 +193,11 @@ int hf_w4_host_check_plan(int m, int npad, int k, int slots, int* splits) {
   bad += p.mblocks * p.bm < m || (p.mblocks - 1) * p.bm >= m;
   bad += p.splits > 1 && p.ws_floats != (int64_t)p.mblocks * p.ntiles * p.splits * p.bm * 64;
   bad += p.splits > 1 && (int64_t)p.splits * p.ntiles * p.mblocks > slots;  // never more than one wave from split-K
+  // the wgmma kernel's: 4 column tiles per block, 128 rows, splits of whole 4-step chunks covering K
+  const GemmPlan w = plan_gemm(m, npad, k, slots, 8, false, 0, 4, 4);
+  bad += w.steps_per_split % 4 != 0 || (w.splits - 1) * w.steps_per_split >= ksteps ||
+         w.splits * w.steps_per_split < ksteps;
+  bad += w.splits > 1 && (int64_t)w.splits * ((w.ntiles + 3) / 4) * w.mblocks > slots;
   return bad;
 }
 }
