@@ -164,7 +164,7 @@ def _fused_us(env: dict, x, i4, n: int, copies: int, calls: int) -> float:
 TILING_MS = {1: (1, 2), 16: (1, 2), 32: (1, 2, 4), 64: (1, 2, 4), 128: (2, 4), 256: (2, 4)}
 # the fused path with the sm_90a wgmma kernel off (0) and forced (1), against the main table's dense and dequantize +
 # cuBLAS times: (HF_W4_CUDA_WGMMA, HF_W4_CUDA_WGMMA_ROWS = rows per block, "" = the rule)
-WGMMA_MS = (32, 64, 256, 512, 1024)
+WGMMA_MS = (32, 64, 256, 512, 1024, 2048)
 WGMMA_VARIANTS = ((0, ""), (1, ""), (1, "64"), (1, "128"))
 
 

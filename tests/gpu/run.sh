@@ -74,14 +74,16 @@ if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
   stage compare 20 python tests/gpu/bench_cuda.py --compare "$BENCH_DIR/bench_baseline.json" "$BENCH_DIR/bench.json"
 fi
 # Nsight Compute: the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost of a
-# call), and the wgmma kernel (sm_90a) at M = 64 and 1024 on the largest, with the reasons its warps stall; the
-# reports go to $OUT. Informational: machines whose runtime hides the counters (or have no wgmma kernel) pass it
+# call), and the wgmma kernel (sm_90a) at M = 64 and 1024 on the largest and, forced, at M = 64 on the smallest (split
+# K 8 ways), with the reasons its warps stall; the reports go to $OUT. Informational: machines whose runtime hides the
+# counters (or have no wgmma kernel) pass it
 if command -v ncu >/dev/null; then
-  stage profile 150 bash -c 'for c in "28672 8192 1 w4a16_gemm_kernel" "4096 4096 1 w4a16_gemm_kernel" \
-      "28672 8192 64 w4a16_wgmma_kernel" "28672 8192 1024 w4a16_wgmma_kernel"; do set -- $c;
+  stage profile 180 bash -c 'for c in "28672 8192 1 w4a16_gemm_kernel" "4096 4096 1 w4a16_gemm_kernel" \
+      "28672 8192 64 w4a16_wgmma_kernel" "28672 8192 1024 w4a16_wgmma_kernel" \
+      "4096 4096 64 w4a16_wgmma_kernel HF_W4_CUDA_WGMMA=1"; do set -- $c;
     f=${OUT:-/tmp}/ncu_$1x$2_m$3.txt;
-    ncu --clock-control none -k regex:$4 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section Occupancy \
+    env ${5:-HF_W4_CUDA_WGMMA=} ncu --clock-control none -k regex:$4 --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
       --metrics smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
       python tests/gpu/profile_cuda.py $1 $2 $3 int4 > "$f" 2>&1;
     grep -E "plan|Duration|DRAM Throughput|Compute \(SM\)|L2 Cache Throughput|Achieved Occupancy|Warp Cycles Per \
