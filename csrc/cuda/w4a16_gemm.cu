@@ -693,9 +693,13 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 // chunk; twice the fused kernels' chunk, so the block-wide barrier, the proxy fence and the copies' bookkeeping come
 // once per four wgmma of a warpgroup
 constexpr int kWgSteps = 4;
-// chunks in the block's ring: 2 in flight (8 k16 steps) while one is computed and the previous one's last wgmma may
-// still read its slot
+// chunks in the block's ring: 2 in flight (8 k16 steps) while one is computed and the previous one's last wgmmas
+// may still read its slot
 constexpr int kWgSlots = 4;
+// wgmma left in flight by each warpgroup's wait after an issue: step i + 1 is dequantized (into the A registers of
+// step i + 1 - kWgSteps, complete) while steps i - 1 and i run, so the tensor cores keep a queue from every warpgroup
+constexpr int kWgInFlight = 2;
+static_assert(kWgInFlight < kWgSteps, "the A registers written next belong to a completed wgmma");
 
 template <int KIND, int NWG, int ROWS>
 struct WgSlot {
@@ -827,9 +831,9 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[STEPS][32], const u
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
 // blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of kWgSlots slots: thread q of
 // a warpgroup copies piece q of its tile's weights (step q / 32) and scale / zero-point piece q if there is one, all
-// threads the shared rows of x, rows past M zero-filled. Each step's wgmma runs while the next step is dequantized
-// (wait_group 1), so a chunk's last wgmma may still read its slot at the next chunk's barrier: the ring refills the
-// slot of the chunk before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the
+// threads the shared rows of x, rows past M zero-filled. Each step's wgmma runs while the next steps are dequantized
+// (wait_group kWgInFlight), so a chunk's last wgmmas may still read its slot at the next chunk's barrier: the ring
+// refills the slot of the chunk before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the
 // fused kernels: every split stores its partial tile, and the last block to arrive at a tile's counter adds them in
 // split order.
 template <bool BF16, int KIND, int NWG, int ROWS>
@@ -870,7 +874,7 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   float acc[ROWS / 2];
 #pragma unroll
   for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
-  uint32_t af[S][4] = {};  // A of each step of a chunk: step i's wgmma runs while step i + 1 is dequantized
+  uint32_t af[S][4] = {};  // A of each step of a chunk (a wgmma reads its registers until its wait)
   stream_ring<kWgSlots, 2, true>(
       nchunks,
       [&](int slot, int c) {
@@ -912,9 +916,9 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
           dequant_sub<A, KIND>(ww[i], 0, af[i][0], af[i][2]);
           dequant_sub<A, KIND>(ww[i], 1, af[i][1], af[i][3]);
           wgmma_issue<BF16, ROWS>(acc, af[i], desc0 + (slot * kSlotUnits + i * kStepUnits));
-          // the previous step's wgmma (at i = 0 the previous chunk's last) is done: its A registers and slot are free
-          wgmma_wait<1, ROWS>(acc);
-          keep_until_here(af[(i + S - 1) % S]);
+          // step i - kWgInFlight's wgmma (maybe the previous chunk's) is done: its A registers and slot are free
+          wgmma_wait<kWgInFlight, ROWS>(acc);
+          keep_until_here(af[(i + S - kWgInFlight) % S]);
         }
       });
   wgmma_wait<0, ROWS>(acc);
