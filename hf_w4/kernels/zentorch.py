@@ -1,7 +1,9 @@
 """zentorch kernels: AMD's ZenDNN plugin for PyTorch (``pip install zentorch==2.13.0.2`` for torch 2.13), used
 only when ``zentorch`` imports, the CPU is an AMD Zen (``/proc/cpuinfo`` vendor AuthenticAMD, family >= 0x17) and it
-has AVX-512 (F/BW/VL/DQ, x86-64-v4: Zen 4 and later). On an AVX2-only Zen 3 (EPYC Milan) zentorch 2.13.0.2 imports,
-then ``zentorch_dynamic_qlinear`` dies of SIGILL and ``zentorch_woq_linear`` returns wrong results.
+has AVX-512 (F/BW/VL/DQ, x86-64-v4: Zen 4 and later; ``zentorch_woq_linear`` also AVX512-BF16). On an AVX2-only
+Zen 3 (EPYC Milan) zentorch 2.13.0.2 imports, then ``zentorch_dynamic_qlinear`` dies of SIGILL and
+``zentorch_woq_linear`` returns wrong results; on an Intel Xeon whose AVX-512 came without BF16 (a VM hiding it)
+``zentorch_woq_linear`` returned garbage (values up to 1e36, NaN) while ``zentorch_dynamic_qlinear`` was right.
 
 Two kernel classes, because the two zentorch ops rank differently against hf_w4's own kernels
 (``python -m hf_w4.tools.bench --int8``; numbers in docs/performance.md):
@@ -82,28 +84,35 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 @functools.lru_cache(maxsize=None)
-def _avx512() -> Optional[str]:
-    """None when the CPU has the AVX-512 subsets ZenDNN's kernels execute, else the reason."""
+def _avx512(bf16: bool = False) -> Optional[str]:
+    """None when the CPU has the AVX-512 subsets ZenDNN's kernels execute (``bf16``: also AVX512-BF16, which
+    zentorch_woq_linear needs), else the reason."""
     info = _cpuinfo()
     if "error" in info:
         return info["error"]
-    missing = [f for f in _AVX512 if f not in info.get("flags", "").split()]
+    flags = info.get("flags", "").split()
+    missing = [f for f in _AVX512 if f not in flags]
     if missing:
         return (f"this CPU lacks {'/'.join(missing)} (zentorch needs AVX-512: Zen 4 or later; on an AVX2-only "
                 "CPU its int8 op dies of SIGILL and its int4 op returns wrong results)")
+    if bf16 and "avx512_bf16" not in flags:
+        return ("this CPU lacks avx512_bf16 (zentorch_woq_linear computes in bf16; on an AVX-512 CPU without it "
+                "its results were garbage)")
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def zentorch_runnable() -> str:
-    """'' when zentorch's ops can run on this CPU (AVX-512, zentorch importable), whatever the vendor, else why not."""
-    return _avx512() or zentorch_import_status()
+def zentorch_runnable(w4a16: bool = False) -> str:
+    """'' when zentorch's ops (``w4a16``: zentorch_woq_linear) can run on this CPU (AVX-512, zentorch importable),
+    whatever the vendor, else why not."""
+    return _avx512(bf16=w4a16) or zentorch_import_status()
 
 
 @functools.lru_cache(maxsize=None)
-def zentorch_status() -> str:
-    """'' when the zentorch kernels may be selected here (AMD Zen with AVX-512, zentorch importable), else why not."""
-    return _amd_zen() or zentorch_runnable()
+def zentorch_status(w4a16: bool = False) -> str:
+    """'' when the zentorch kernels (``w4a16``: the W4A16 one) may be selected here (AMD Zen with AVX-512, zentorch
+    importable), else why not."""
+    return _amd_zen() or zentorch_runnable(w4a16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,15 +152,15 @@ def _signed_int4(qw: layouts.QWeight) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ prepare/run
-def _require_zentorch() -> None:
-    why = zentorch_runnable()
+def _require_zentorch(w4a16: bool = False) -> None:
+    why = zentorch_runnable(w4a16)
     if why:
         raise RuntimeError(why)
 
 
 def prepare_w4a16(qw: layouts.QWeight):
     """-> (packed int32 [N, K/8], scales [G, N], zeros bf16 [G, N] or None) for zentorch_woq_linear."""
-    _require_zentorch()
+    _require_zentorch(w4a16=True)
     if _sym_int4(qw):
         w4 = torch.ops.zentorch.zentorch_woq_repack_weight(_signed_int4(qw))
         return w4, qw.scales.t().contiguous(), None
@@ -204,16 +213,18 @@ def run_w4a8(state, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tens
 class _ZentorchBase(Kernel):
     DEVICES = ("cpu",)
     SUPPORTS_G_IDX = False
+    W4A16 = False  # zentorch_woq_linear: needs AVX512-BF16 too
 
     @classmethod
     def is_supported(cls):
-        why = zentorch_status()
+        why = zentorch_status(cls.W4A16)
         return (False, why) if why else OK
 
 
 @register
 class ZentorchW4A16Kernel(_ZentorchBase):
     NAME = "zentorch_w4a16"
+    W4A16 = True
     # decode (M=1, 4096x4096 g128, cold): zentorch_woq_linear is ~2x slower than cpu_w4a16 and torch int4pack
     # (docs/performance.md), faster only for M >= 256 where it runs a dequantize + bf16 GEMM -> below cpu_w4a16
     # (100), above the reference (-100)

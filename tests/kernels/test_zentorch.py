@@ -13,8 +13,9 @@ from hf_w4.formats.spec import W4Spec
 from hf_w4.kernels import zentorch as zt
 from hf_w4.kernels.base import fake_quantize_act
 
-_why = zt.zentorch_runnable()
+_why, _why_w4a16 = zt.zentorch_runnable(), zt.zentorch_runnable(w4a16=True)
 needs_zentorch = pytest.mark.skipif(bool(_why), reason=f"zentorch unavailable: {_why}")
+needs_zentorch_w4a16 = pytest.mark.skipif(bool(_why_w4a16), reason=f"zentorch_woq_linear unavailable: {_why_w4a16}")
 
 WOQ_TOL, DYNQ_TOL = 1.5e-2, 3e-2
 # ZenDNN keys internal caches by weight address; a model keeps its weights alive, so the tests do too (freed and
@@ -49,7 +50,7 @@ def rel_err(y, y0):
     return float((y.float() - y0).abs().max() / y0.abs().max())
 
 
-@needs_zentorch
+@needs_zentorch_w4a16
 @pytest.mark.parametrize("layout,gs,sym", [("gptq", 128, True), ("ct_pack", 32, True), ("awq", 64, False),
                                            ("gptq", 128, False), ("ct_pack", -1, True)])
 @pytest.mark.parametrize("m", [1, 5, 33])
@@ -89,16 +90,21 @@ def test_w4a8_vs_reference(src, m):
 
 
 def test_cpu_gate_needs_avx512(monkeypatch):
-    """An AVX2-only AMD Zen 3 is refused with the missing flags named (zentorch crashes there); Zen 4 passes."""
+    """An AVX2-only AMD Zen 3 is refused with the missing flags named (zentorch crashes there); Zen 4 passes. An
+    AVX-512 Intel Xeon without AVX512-BF16 may run zentorch's int8 op but not zentorch_woq_linear (garbage there)."""
     zen3 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu sse avx avx2 fma f16c"}
     zen4 = dict(zen3, flags=zen3["flags"] + " avx512f avx512dq avx512bw avx512vl avx512_bf16")
-    for info, ok in ((zen3, False), (zen4, True)):
+    xeon = {"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "avx2 avx512f avx512dq avx512bw avx512vl"}
+    for info, ok, ok_bf16 in ((zen3, False, False), (zen4, True, True), (xeon, True, False)):
         monkeypatch.setattr(zt, "_cpuinfo", lambda info=info: info)
         zt._amd_zen.cache_clear(), zt._avx512.cache_clear()
-        assert zt._amd_zen() is None
+        assert (zt._amd_zen() is None) == (info is not xeon)
         assert (zt._avx512() is None) == ok, zt._avx512()
+        assert (zt._avx512(bf16=True) is None) == ok_bf16, zt._avx512(bf16=True)
         if not ok:
             assert "avx512f/avx512bw/avx512vl/avx512dq" in zt._avx512() and "SIGILL" in zt._avx512()
+        elif not ok_bf16:
+            assert "lacks avx512_bf16" in zt._avx512(bf16=True)
     zt._amd_zen.cache_clear(), zt._avx512.cache_clear()
 
 
@@ -107,7 +113,7 @@ def test_kernel_classes_gate_on_amd_and_limits():
     from hf_w4.kernels.zentorch import ZentorchInt8Kernel, ZentorchW4A16Kernel
     ok, why = ZentorchW4A16Kernel.is_supported()
     amd = zt._amd_zen() is None
-    assert ok == amd, why
+    assert ok == (amd and not _why_w4a16), why
     if not amd:
         assert "AuthenticAMD" in why or "Zen" in why
     dev = torch.device("cpu")
@@ -121,7 +127,7 @@ def test_kernel_classes_gate_on_amd_and_limits():
     assert not ok and ("bfloat16" in why or not amd)
 
 
-@needs_zentorch
+@needs_zentorch_w4a16
 @pytest.mark.skipif(zt._amd_zen() is not None, reason=f"not an AMD Zen CPU: {zt._amd_zen()}")
 def test_kernel_classes_prepare_apply_on_zen():
     from hf_w4.kernels.zentorch import ZentorchInt8Kernel, ZentorchW4A16Kernel

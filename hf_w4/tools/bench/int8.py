@@ -96,13 +96,16 @@ class OursW4A8Vnni(_NoAmx, OursW4A8):
 
 class _Zt(Contender):
     # benchmarked wherever zentorch runs (AVX-512; the kernels themselves are only selected on AMD Zen)
+    w4a16 = False  # zentorch_woq_linear: AVX512-BF16 too
+
     def available(self):
-        why = zt.zentorch_runnable()
+        why = zt.zentorch_runnable(self.w4a16)
         return (False, why) if why else (True, "")
 
 
 class ZtW4A16(_Zt):
     name = "zt_w4a16"
+    w4a16 = True
 
     def prepare(self, w, group_size):
         return zt.prepare_w4a16(_qw_int4(w, group_size))
