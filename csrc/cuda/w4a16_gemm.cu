@@ -693,9 +693,13 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
 // chunk; twice the fused kernels' chunk, so the block-wide barrier, the proxy fence and the copies' bookkeeping come
 // once per four wgmma of a warpgroup
 constexpr int kWgSteps = 4;
-// chunks in the block's ring: 2 in flight (8 k16 steps) while one is computed and the previous one's last wgmmas
-// may still read its slot
-constexpr int kWgSlots = 4;
+// Chunks in the block's ring: WS - 2 in flight while one is computed and the previous one's last wgmmas may still
+// read its slot. One block runs per SM (registers), and its weights stream from DRAM at (bytes in flight) / latency:
+// at ~1.5 us an SM's share of the H100's bandwidth (25 GB/s) needs ~38 KB of weights in flight, 19 k16 steps of 4
+// tiles. 64 rows per block (a step is 32 tensor-core cycles per warpgroup) keep 6 chunks = 24 steps = 48 KB in
+// flight (ring: up to 152 KB); 128 rows (64 cycles per step: half that rate) 4 chunks = 32 KB (up to 162 KB).
+template <int ROWS>
+constexpr int wg_slots() { return ROWS == 64 ? 8 : 6; }
 // wgmma left in flight by each warpgroup's wait after an issue: step i + 1 is dequantized (into the A registers of
 // step i + 1 - kWgSteps, complete) while steps i - 1 and i run, so the tensor cores keep a queue from every warpgroup
 constexpr int kWgInFlight = 2;
@@ -709,7 +713,7 @@ struct WgSlot {
   uint4 x[kWgSteps][ROWS / 8][2][8];  // per step: core matrix (8-row group, k half), its 8 rows of 16 bytes
 };
 template <int KIND, int NWG, int ROWS>
-constexpr int wg_ring_bytes() { return kWgSlots * (int)sizeof(WgSlot<KIND, NWG, ROWS>); }
+constexpr int wg_ring_bytes() { return wg_slots<ROWS>() * (int)sizeof(WgSlot<KIND, NWG, ROWS>); }
 
 // The wgmma kernel's device helpers, compiled where its body is (sm_90a, and the emulation)
 #if defined(HF_W4_CUDA_EMULATE) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -829,7 +833,7 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[STEPS][32], const u
 #endif
 
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
-// blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of kWgSlots slots: thread q of
+// blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of wg_slots slots: thread q of
 // a warpgroup copies piece q of its tile's weights (step q / 32) and scale / zero-point piece q if there is one, all
 // threads the shared rows of x, rows past M zero-filled. Each step's wgmma runs while the next steps are dequantized
 // (wait_group kWgInFlight), so a chunk's last wgmmas may still read its slot at the next chunk's barrier: the ring
@@ -875,7 +879,7 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
 #pragma unroll
   for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
   uint32_t af[S][4] = {};  // A of each step of a chunk (a wgmma reads its registers until its wait)
-  stream_ring<kWgSlots, 2, true>(
+  stream_ring<wg_slots<ROWS>(), 2, true>(
       nchunks,
       [&](int slot, int c) {
         const int kt = kb + S * c;
