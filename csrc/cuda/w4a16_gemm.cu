@@ -833,12 +833,12 @@ __device__ __forceinline__ WTile chunk_word(const uint4 (&w)[STEPS][32], const u
 #endif
 
 // Block: NWG warpgroups; warpgroup wg takes column tile NWG blockIdx.y + wg (none past the last) x ROWS rows (block
-// blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of wg_slots slots: thread q of
-// a warpgroup copies piece q of its tile's weights (step q / 32) and scale / zero-point piece q if there is one, all
+// blockIdx.x) over its split of K, chunks of kWgSteps steps through a block-wide ring of wg_slots slots: thread q of a
+// warpgroup copies piece q of its tile's weights (step q / 32) and scale / zero-point piece q if there is one, all
 // threads the shared rows of x, rows past M zero-filled. Each step's wgmma runs while the next steps are dequantized
 // (wait_group kWgInFlight), so a chunk's last wgmmas may still read its slot at the next chunk's barrier: the ring
-// refills the slot of the chunk before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as the
-// fused kernels: every split stores its partial tile, and the last block to arrive at a tile's counter adds them in
+// refills the slot of the chunk before (stream_ring's LAG = 2). Split-K (blockIdx.z: steps_per_split k16 steps each) as
+// the fused kernels: every split stores its partial tile, and the last block to arrive at a tile's counter adds them in
 // split order.
 template <bool BF16, int KIND, int NWG, int ROWS>
 __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a, const int ntiles, const int splits,
