@@ -257,6 +257,20 @@ __device__ __forceinline__ ChunkSource<MT, KIND> chunk_source(const GemmArgs& a,
   return c;
 }
 
+// The source of a lane's scale / zero-point piece in the chunk at k16 step kt (chunks of STEPS steps; ``in``: the
+// piece's step lies before the split's end, else it is zero-filled and any address in bounds does): int4 the row of
+// the step's group (128 bytes of scales, 64 of zero points), NVFP4 the source's own step.
+template <int STEPS, int MT, int KIND>
+__device__ __forceinline__ const void* scale_piece_src(const ChunkSource<MT, KIND>& c, const GemmArgs& a, int kt,
+                                                       bool in, int lane, int gsteps) {
+  if constexpr (KIND != kNvfp4) {
+    const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
+    return c.s + (size_t)grp * (lane < 8 * STEPS ? 128 : 64);
+  } else {
+    return in ? static_cast<const void*>(c.s) : a.scales;
+  }
+}
+
 // A warp's weight and scale pieces of the chunk at k16 step kt (both fused kernels), if ``issue`` (none past the
 // warp's last chunk). The pieces of the chunk's second step are zero-filled where it lies past ``end`` (only at the
 // end of an odd K): it adds 0 x (finite weights), so the main loop needs no branch. Lanes without a piece skip it by
@@ -270,14 +284,7 @@ __device__ __forceinline__ void copy_weight_pieces(uint4 (&w)[kChunk][32], uint4
   cp_async16(&w[0][lane], c.w, true, issue);
   cp_async16(&w[1][lane], two ? c.w + 128 : c.w, two, issue);
   const bool in = kt + c.sstep < end;
-  const uint8_t* src = c.s;
-  if constexpr (KIND != kNvfp4) {  // the group's row: 128 bytes of scales, 64 of zero points
-    const int grp = step_group(in ? kt + c.sstep : kt, gsteps, a.group_shift);
-    src += (size_t)grp * (lane < 8 * kChunk ? 128 : 64);
-  } else if (!in) {
-    src = static_cast<const uint8_t*>(a.scales);
-  }
-  cp_async16(&s[c.scopy ? lane : 0], src, in, issue && c.scopy);
+  cp_async16(&s[c.scopy ? lane : 0], scale_piece_src<kChunk>(c, a, kt, in, lane, gsteps), in, issue && c.scopy);
 }
 
 // Issue the copies of the chunk at k16 step kt for one warp: its weights and scales, and the block's rows. Staged rows
@@ -887,14 +894,8 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
         // zero-filled past the split's end (the last steps of a short last chunk): they add 0 x (finite weights)
         const bool win = kt + warp < end, sin = kt + cs.sstep < end;
         cp_async16(wdst + slot * kSlotUnits, win ? cs.w : a.qpack, win, issue);
-        cs.w += S * 128;
-        const uint8_t* from = cs.s;
-        if constexpr (KIND != kNvfp4) {  // int4 scales and zero points: their group's row (128 and 64 bytes)
-          if (sin) from += (size_t)step_group(kt + cs.sstep, gsteps, a.group_shift) * (q < 8 * S ? 128 : 64);
-        } else {
-          cs.s += S * 64;
-        }
-        cp_async16(sdst + slot * kSlotUnits, sin ? from : a.scales, sin, issue && cs.scopy);
+        cp_async16(sdst + slot * kSlotUnits, scale_piece_src<S>(cs, a, kt, sin, q, gsteps), sin, issue && cs.scopy);
+        advance(cs, S);
 #pragma unroll
         for (int j = 0; j < kPer; ++j) {
           const bool full = xrow && kt + xstep + j * kStride < end;
