@@ -345,7 +345,8 @@ lib.define("cuda_w4a16_dequant(Tensor qpack, Tensor scales, Tensor? zeros, int n
            "str weight_type, float global_scale, ScalarType dtype) -> Tensor")
 # cuda_w4a16_plan: the fused kernel's work split for an M x N x K call on the current device (benchmark report):
 # [mt, m-blocks, 64-column tiles, k splits, k16 steps per split, resident blocks per SM, wide kernel (1 / 0), wgmma
-# kernel's warpgroups per block (0: an mma.sync kernel; its mt is then its rows / 16)].
+# kernel's warpgroups per block (0: an mma.sync kernel; its mt is then its rows / 16), launches overlapping the kernel
+# before them in the stream (1 / 0)].
 lib.define("cuda_w4a16_plan(int m, int n, int k, str weight_type, bool asym, bool bf16) -> int[]")
 
 

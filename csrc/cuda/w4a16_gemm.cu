@@ -11,12 +11,8 @@
 // the PTX below), which runs the kernels on machines without a GPU for tests/kernels/test_cuda_emulated.py
 #if defined(HF_W4_CUDA_EMULATE)
 #define HF_W4_DEVICE_CODE 1
-#define HF_W4_LAUNCH(kernel, grid, block, smem, stream) hf_w4_emu::launch(kernel, grid, block, smem)
-#else
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define HF_W4_DEVICE_CODE 1
-#endif
-#define HF_W4_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #endif
 
 namespace hf_w4 {
@@ -92,6 +88,62 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 #endif
+
+// ---- Overlap with the kernel before in the stream (programmatic dependent launch, sm_90+). The GEMM kernels are
+// launched so that their blocks may start while that kernel still runs (launch_kernel's `overlap`): a block first
+// asks L2 for the start of its weights and scales (a hint; no data reaches the kernel before the wait, so nothing
+// stale can), lets the kernel after it start the same way, then waits until the kernel before it has completed with
+// its writes visible. x, the partials, the counters and y (whose memory that kernel may still use) are touched only
+// after the wait. Back-to-back calls then hide each other's launch, ramp and split-K fix-up.
+
+// k16 steps of a tile that a block prefetches (16 KB of weights): the ring's start; resident blocks x this stays
+// well below the L2 while the kernel before still streams through it
+constexpr int kPrefetchSteps = 32;
+
+// cp.async.bulk.prefetch.L2 of `bytes` (a multiple of 16) from p (16-byte aligned), if `issue`: predicated, not
+// branched around, like cp_async16 (a branch here moved the register allocation of the main loops)
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, bool issue) {
+#if defined(HF_W4_CUDA_EMULATE)
+  if (issue) hf_w4_emu::prefetch_l2(p, bytes);
+#elif __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.bulk.prefetch.L2.global [%0], %1;\n}\n" ::"l"(p),
+      "r"(bytes), "r"(issue ? 1 : 0)
+      : "memory");
+#else
+  (void)p;
+  (void)bytes;
+  (void)issue;
+#endif
+}
+
+// If `issue`: the first steps (at most kPrefetchSteps) of column tile nt's k16 steps [kt, end), its packed weights,
+// scales and zero points, all three contiguous along K within a tile (w4a16_math.cuh)
+template <int KIND>
+__device__ __forceinline__ void prefetch_tile(const GemmArgs& a, int nt, int kt, int end, bool issue) {
+  const int ksteps = a.k / 16, steps = end - kt < kPrefetchSteps ? end - kt : kPrefetchSteps;
+  issue = issue && steps > 0;
+  prefetch_l2(a.qpack + tile_word(kt, nt, ksteps), steps * 512, issue);
+  if constexpr (KIND == kNvfp4) {
+    prefetch_l2(static_cast<const uint8_t*>(a.scales) + group_row(kt, nt, ksteps), steps * 64, issue);
+  } else {
+    const int groups = a.k / a.group_size, g0 = kt * 16 / a.group_size;
+    const int ng = ((kt + steps) * 16 - 1) / a.group_size - g0 + 1;
+    prefetch_l2(static_cast<const uint16_t*>(a.scales) + group_row(g0, nt, groups), ng * 128, issue);
+    if constexpr (KIND == kInt4Asym) prefetch_l2(a.zeros + group_row(g0, nt, groups), ng * 64, issue);
+  }
+}
+
+// Every thread of the block: let the next kernel's blocks start, then wait for the previous kernel (both no-ops where
+// the launch did not ask for the overlap)
+__device__ __forceinline__ void await_prior_kernel() {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::grid_dependency_wait();
+#elif __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -489,6 +541,8 @@ __global__ void __launch_bounds__(128, min_blocks<MR, KIND>())
   const int gsteps = a.group_size >> 4;
   int first, end;
   const int nchunks = warp_chunks(a.k / 16, steps_per_split, split, warp, &first, &end);
+  prefetch_tile<KIND>(a, nt, split * steps_per_split, end, tid == 0);
+  await_prior_kernel();
 
   float acc[MT][8][4];
   zero_acc(acc);
@@ -594,9 +648,13 @@ __device__ __forceinline__ void copy_wide_chunk(WideSlot<MT, MR, KIND>& slot, co
   }
 }
 
+// One m16 tile: 7 blocks per SM (72 registers), as measured; the ring would allow 8
+template <int MT>
+constexpr int wide_min_blocks() { return MT == 1 ? 7 : 0; }
+
 template <int MT, int MR, bool BF16, int KIND>
-__global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, const int ntiles, const int splits,
-                                                              const int steps_per_split) {
+__global__ void __launch_bounds__(128, wide_min_blocks<MT>())
+    w4a16_gemm_wide_kernel(const GemmArgs a, const int ntiles, const int splits, const int steps_per_split) {
 #if defined(HF_W4_DEVICE_CODE)
   using A = DevAct<BF16>;
   using Slot = WideSlot<MT, MR, KIND>;
@@ -614,6 +672,8 @@ __global__ void __launch_bounds__(128) w4a16_gemm_wide_kernel(const GemmArgs a, 
   const int kb = split * steps_per_split;
   const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
   const int nchunks = (end - kb + kChunk - 1) / kChunk;
+  prefetch_tile<KIND>(a, nt, kb, end, has_tile && lane == 0);
+  await_prior_kernel();
 
   float acc[MT][8][4];
   zero_acc(acc);
@@ -864,6 +924,8 @@ __global__ void __launch_bounds__(128 * NWG) w4a16_wgmma_kernel(const GemmArgs a
   const int gsteps = a.group_size >> 4, ksteps = a.k / 16, kb = split * steps_per_split;
   const int end = ksteps < kb + steps_per_split ? ksteps : kb + steps_per_split;
   const int nchunks = (end - kb + S - 1) / S;
+  prefetch_tile<KIND>(a, nt, kb, end, has_tile && q == 0);
+  await_prior_kernel();
   Slot* ring = reinterpret_cast<Slot*>(smem);
   // This thread's weight piece (step `warp`, 16 bytes `lane`: the packed strip is contiguous along K, so piece q of
   // a chunk lies 16 q bytes past its start) and scale piece (q below scale_pieces, step cs.sstep)
@@ -1020,18 +1082,40 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
 #endif
 }
 
+// kernel<<<grid, threads, bytes, stream>>>(args...); `overlap`: its blocks may start while the kernel before it in
+// the stream still runs (programmatic stream serialization; the kernel waits for that one in await_prior_kernel). A
+// launch error stays for cudaGetLastError.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int bytes, cudaStream_t stream, bool overlap,
+                   Args... args) {
+#if defined(HF_W4_CUDA_EMULATE)
+  (void)stream;
+  hf_w4_emu::launch(kernel, grid, dim3(threads), bytes, overlap)(args...);
+#else
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = overlap ? 1 : 0;
+  (void)cudaLaunchKernelEx(&config, kernel, args...);
+#endif
+}
+
 template <int MT, int MR, bool BF16, int KIND, bool WIDE>
 void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   if constexpr (WIDE) {
     const dim3 grid(p.mblocks, (p.ntiles + 3) / 4, p.splits);
-    const auto kernel = w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>;
-    const int bytes = wide_ring_bytes<MT, MR, KIND>();
-    HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+    launch_kernel(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, grid, 128, wide_ring_bytes<MT, MR, KIND>(), stream,
+                  p.overlap, a, p.ntiles, p.splits, p.steps_per_split);
   } else {
     const dim3 grid(p.mblocks, p.ntiles, p.splits);
-    const auto kernel = w4a16_gemm_kernel<MT, MR, BF16, KIND>;
-    const int bytes = ring_bytes<MT, MR, KIND>();
-    HF_W4_LAUNCH(kernel, grid, 128, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+    launch_kernel(w4a16_gemm_kernel<MT, MR, BF16, KIND>, grid, 128, ring_bytes<MT, MR, KIND>(), stream, p.overlap, a,
+                  p.ntiles, p.splits, p.steps_per_split);
   }
 }
 
@@ -1120,9 +1204,8 @@ void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   with_wgmma_tiling(tiling(p.mt, p.mr, false, true), [&](auto rows) {
     constexpr int NWG = kWgmmaWarpgroups, ROWS = decltype(rows)::value;
     const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG, p.splits);
-    const auto kernel = w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>;
-    const int bytes = wg_ring_bytes<KIND, NWG, ROWS>();
-    HF_W4_LAUNCH(kernel, grid, 128 * NWG, bytes, stream)(a, p.ntiles, p.splits, p.steps_per_split);
+    launch_kernel(w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>, grid, 128 * NWG, wg_ring_bytes<KIND, NWG, ROWS>(),
+                  stream, p.overlap, a, p.ntiles, p.splits, p.steps_per_split);
   });
 }
 
@@ -1147,7 +1230,7 @@ void launch_dequant_kind(const GemmArgs& a, int ntiles, uint16_t* w, cudaStream_
   const auto kernel = a.kind == kNvfp4      ? w4a16_dequant_kernel<BF16, kNvfp4>
                       : a.kind == kInt4Asym ? w4a16_dequant_kernel<BF16, kInt4Asym>
                                             : w4a16_dequant_kernel<BF16, kInt4Sym>;
-  HF_W4_LAUNCH(kernel, grid, threads, 0, stream)(a, ntiles, w);
+  launch_kernel(kernel, grid, threads, 0, stream, false, a, ntiles, w);
 }
 
 // Blocks of the fused kernel for (mt, mr, wide, dtype, kind), or of the wgmma kernel, resident per SM on the current

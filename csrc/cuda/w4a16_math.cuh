@@ -171,6 +171,7 @@ struct GemmPlan {
   int wgmma;  // the sm_90a wgmma kernel's warpgroups per block (0: a fused mma.sync kernel)
   int64_t ws_floats;
   int counters;
+  bool overlap;  // launched to overlap the kernel before it in the stream (sm_90+; set by the caller, not the plan)
 };
 
 // mt: 0 = by M and K (plan_mt), else 1, 2 or 4 (4: only when forced, HF_W4_CUDA_MT; the wgmma kernel: rows / 16);
@@ -184,6 +185,7 @@ inline GemmPlan plan_gemm(int m, int npad, int k, int slots, int mt = 0, bool wi
   p.mr = plan_rows(m, p.mt);
   p.wide = wide;
   p.wgmma = 0;
+  p.overlap = false;
   p.bm = 16 * p.mt;
   p.mblocks = (m + p.bm - 1) / p.bm;
   p.ntiles = npad / 64;

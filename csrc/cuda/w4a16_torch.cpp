@@ -131,6 +131,20 @@ int wgmma_rows_override() {
                       "64 or 128 (rows of x per wgmma block)");
 }
 
+// HF_W4_CUDA_PDL=0: launch the GEMM kernels without overlapping the kernel before them in the stream (programmatic
+// dependent launch, on GPUs of compute capability 9.0 and up); 1 (the default): overlap where the GPU can
+bool overlap_setting(int device) {
+  static int major[64] = {0};
+  if (!plan_setting("HF_W4_CUDA_PDL", 1, [](int v) { return v == 0 || v == 1; }, "1 (overlap) or 0 (not)"))
+    return false;
+  int v = device < 64 ? major[device] : 0;
+  if (!v) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
+    if (device < 64) major[device] = v;
+  }
+  return v >= 9;
+}
+
 // the fused kernel's work split for this call on ``device``
 GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int device, int* blocks_per_sm) {
   const int mt = mt_override(), wide = wide_kernel();
@@ -141,8 +155,10 @@ GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int 
     C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
     wgmma = w4a16_wgmma_available(capture == cudaStreamCaptureStatusNone);
   }
-  return w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt, wide, blocks_per_sm,
-                         splits_override(), wgmma, wgmma ? wgmma_rows_override() : 0);
+  GemmPlan p = w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt, wide, blocks_per_sm,
+                               splits_override(), wgmma, wgmma ? wgmma_rows_override() : 0);
+  p.overlap = overlap_setting(device);
+  return p;
 }
 
 void check_layout(const at::Tensor& qpack, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
@@ -256,7 +272,7 @@ std::vector<int64_t> plan(int64_t m, int64_t n, int64_t k, c10::string_view weig
   const int kind = weight_type == "nvfp4" ? kNvfp4 : (asym ? kInt4Asym : kInt4Sym);
   int bps = 0;
   const GemmPlan p = make_plan(m, (n + 63) / 64 * 64, k, bf16, kind, c10::cuda::current_device(), &bps);
-  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0, p.wgmma};
+  return {p.mt, p.mblocks, p.ntiles, p.splits, p.steps_per_split, bps, p.wide ? 1 : 0, p.wgmma, p.overlap ? 1 : 0};
 }
 
 }  // namespace

@@ -7,7 +7,9 @@ the layer's large M: HF_W4_CUDA_LARGE_M, default 128, or 320 where the fused pat
 dequantize + cuBLAS from there), both paths separately (the crossover), and
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
 the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
-replays. Columns: microseconds per call, speed-up over dense in the same
+replays. On compute capability 9.0+ the fused kernels' launches overlap the call before them (programmatic dependent
+launch, as for the back-to-back projections of a decoder layer); the tiling table also times them without
+(HF_W4_CUDA_PDL=0). Columns: microseconds per call, speed-up over dense in the same
 dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
 last, the path the layer takes at this M (bf16): "deq+mm", "fused" (the mma.sync kernels) or "wgmma" (warpgroups x
 rows per block) with the k splits and resident blocks per SM for int4 / NVFP4. Then the fused kernel's tilings and the
@@ -200,10 +202,12 @@ def _wgmma_lines(record: dict) -> list:
 
 
 def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
-    """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide), and at M = 1
-    and 16 with a half and a quarter of the plan's K splits; the times also go into ``record`` by cell name."""
+    """The fused kernel at M = 1-256 with each tiling forced (MT 1 / 2 / 4, warp-interleaved / wide), at M = 1 and 16
+    with a half and a quarter of the plan's K splits, and at M = 1, 16 and 64 by the rule without overlapping
+    launches where they overlap; the times also go into ``record`` by cell name."""
     cells = []
     split_k = _honoured("HF_W4_CUDA_SPLITS", 1, 3)
+    overlap = _honoured("HF_W4_CUDA_PDL", 1, 8)  # this tree's launches overlap the call before (sm_90+)
     for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
@@ -219,6 +223,10 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
             us = _fused_us({"HF_W4_CUDA_SPLITS": str(s)}, x, i4, n, copies, 20)
             cells.append(f"M={m} splits {s}/{plan[3]} {us:6.1f}")
             record[f"{n}x{k} M={m} splits{s}"] = us
+        if overlap and m in (1, 16, 64):
+            us = _fused_us({"HF_W4_CUDA_PDL": "0"}, x, i4, n, copies, 20)
+            cells.append(f"M={m} no overlap {us:6.1f}")
+            record[f"{n}x{k} M={m} pdl0"] = us
     return f"{f'{n}x{k}':>12} | " + " | ".join(cells)
 
 

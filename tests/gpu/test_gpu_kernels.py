@@ -186,6 +186,51 @@ def test_captured_split_k_call_is_one_kernel():
     assert len(kernels) == 3 and all("w4a16_gemm_kernel" in k for k in kernels), kernels
 
 
+@pytest.mark.parametrize("wgmma", ["0", "1"], ids=["mma.sync", "wgmma"])
+def test_overlapped_launches_wait_for_their_input(monkeypatch, wgmma):
+    """Launches that may overlap the kernel before them (HF_W4_CUDA_PDL, compute capability 9.0+) read x and write
+    anything only after it has completed: a chain of calls each multiplying the previous one's output (split-K, so
+    the partials and counters are reused while the next kernel starts), eager and captured in a CUDA graph, gives bit
+    for bit what the same chain gives launched one after another."""
+    if wgmma == "1" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is sm_90a code: it runs on compute capability 9.0 only")
+    monkeypatch.setenv("HF_W4_CUDA_WGMMA", wgmma)
+    spec, qw = make_qweight("gptq", 2048, 2048, 128, device="cuda")
+    kern, layer = _layer(spec, qw)
+    b = layer._buffers
+    x0 = torch.randn(64 if wgmma == "1" else 4, 2048, device="cuda").to(torch.bfloat16)
+
+    def gemm(x, scales):
+        return torch.ops.hf_w4.cuda_w4a16_gemm(x, b["cuda_w4a16_q"], scales, b["cuda_w4a16_z"], None, 2048, 128,
+                                               "int4", 1.0)
+
+    s = kern._scales(b, torch.bfloat16)
+    s = s * (x0.float().abs().amax() / gemm(x0, s).float().abs().amax()).to(s.dtype)  # outputs stay about x0's size
+
+    def chain():  # nothing between the calls: each kernel's input is the output of the kernel before it
+        y = x0
+        for _ in range(12):
+            y = gemm(y, s)
+        return y
+
+    monkeypatch.setenv("HF_W4_CUDA_PDL", "0")
+    assert torch.ops.hf_w4.cuda_w4a16_plan(x0.shape[0], 2048, 2048, "int4", False, True)[8] == 0
+    serial = chain()
+    assert torch.isfinite(serial).all() and serial.abs().amax() > 0
+    monkeypatch.setenv("HF_W4_CUDA_PDL", "1")
+    plan = torch.ops.hf_w4.cuda_w4a16_plan(x0.shape[0], 2048, 2048, "int4", False, True)
+    assert plan[3] > 1 and plan[7] == (4 if wgmma == "1" else 0), plan
+    assert torch.equal(chain(), serial)
+    graph, out = capture_cuda_graph(chain)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, serial)
+    monkeypatch.setenv("HF_W4_CUDA_PDL", "2")
+    with pytest.raises(RuntimeError, match=r"HF_W4_CUDA_PDL='2': expected 1 \(overlap\) or 0"):
+        gemm(x0, s)
+
+
 def test_autograd_input_gradient():
     spec, qw = make_qweight("ct_pack", 128, 256, 64, device="cuda")
     kern, layer = _layer(spec, qw)
@@ -223,8 +268,9 @@ def test_plan_reports_a_split_covering_k(monkeypatch):
     for m, n, k, wt, asym in ((1, 4096, 4096, "int4", False), (64, 28672, 8192, "nvfp4", False),
                               (3, 192, 576, "int4", True), (40, 200, 1024, "int4", False)):
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, wt, asym, True)
-        mt, mblocks, ntiles, splits, steps, bps, wide, wgmma = plan
+        mt, mblocks, ntiles, splits, steps, bps, wide, wgmma, overlap = plan
         assert wgmma == 0, "HF_W4_CUDA_WGMMA=0 and the wgmma kernel was taken"
+        assert overlap == (torch.cuda.get_device_capability()[0] >= 9), overlap  # programmatic dependent launch
         assert mt in (1, 2) and (mblocks - 1) * 16 * mt < m <= mblocks * 16 * mt, (m, mt, mblocks)
         assert ntiles == -(-n // 64) and bps >= 1, (n, ntiles, bps)
         assert (splits - 1) * steps < k // 16 <= splits * steps, (k, splits, steps)

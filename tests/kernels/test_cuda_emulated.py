@@ -192,12 +192,15 @@ def test_wgmma_kernel_group_sizes_emulated(emu, name, gs):
                                         (2, "exited with wgmma in flight"), (3, "deadlocked at a barrier"),
                                         (4, "wgmma descriptor 4000001000080000 not supported"),
                                         (5, "233488 bytes of dynamic shared memory"),
-                                        (6, "A registers of a wgmma in flight were overwritten")])
+                                        (6, "A registers of a wgmma in flight were overwritten"),
+                                        (7, "before griddepcontrol.wait, in a kernel launched to overlap"),
+                                        (8, "cp.async.bulk.prefetch.L2 of 8 bytes"), (9, None)])
 def test_emulation_reports_faults(cxx_library, case, error):
     """The stand-in's own checks, on kernels built to break them: a copy into the shared memory an issued wgmma reads,
     a thread exiting with a wgmma in flight, a barrier half the block never reaches, a swizzled descriptor, a launch
-    asking for more shared memory than an SM has and A's registers rewritten before the wgmma's wait come back as
-    errors the tests see (not a crash, not silence); the same kernel with the wgmma waited for comes back clean."""
+    asking for more shared memory than an SM has, A's registers rewritten before the wgmma's wait, a copy before
+    griddepcontrol.wait in a launch that overlaps the kernel before it and a prefetch of 8 bytes come back as errors
+    the tests see (not a crash, not silence); the same kernels without the fault come back clean."""
     lib = cxx_library(os.path.join(EMU, "emu_faults.cpp"), ["-std=c++20", "-O1", "-Wall", "-Werror",
                                                             "-fno-extern-tls-init", "-I", EMU, "-I",
                                                             os.path.join(ROOT, "csrc", "cpu")],

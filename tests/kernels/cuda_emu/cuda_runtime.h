@@ -128,6 +128,7 @@ struct CommitGroups {
 struct Fiber {
   ucontext_t ctx;
   bool done = false;
+  bool awaited = false;  // passed griddepcontrol.wait
   CommitGroups<Copy> copies;
   CommitGroups<PendingWgmma> wgmmas;
 };
@@ -212,6 +213,19 @@ __attribute__((format(printf, 1, 2))) inline void fail(const char* format, ...) 
     b->failed = true;
     swapcontext(&b->fibers[b->current].ctx, &b->scheduler);  // never resumed
   }
+}
+
+// Whether the running launch may overlap the kernel before it (programmatic dependent launch): its threads must then
+// read x and write anything only after griddepcontrol.wait, which the copies, loads, stores and atomics below check
+inline bool& overlapped_launch() {
+  static bool v = false;
+  return v;
+}
+inline void require_awaited(const char* what) {
+  BlockState* b = block();
+  if (overlapped_launch() && b && !b->fibers[b->current].awaited)
+    fail("%s by thread %d of block (%u, %u, %u) before griddepcontrol.wait, in a kernel launched to overlap the one "
+         "before it (which may still write that memory)", what, tid(), block_idx().x, block_idx().y, block_idx().z);
 }
 
 inline void fiber_main() {
@@ -306,17 +320,20 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
   }
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...)
+// kernel<<<grid, block, smem, stream>>>(args...), launched to overlap the kernel before it where `overlap`
 template <class K>
-auto launch(K kernel, dim3 grid, dim3 blk, size_t smem) {
+auto launch(K kernel, dim3 grid, dim3 blk, size_t smem, bool overlap = false) {
   return [=](auto... args) {
     if (smem > kSharedBytes) return fail("%zu bytes of dynamic shared memory", smem);
+    overlapped_launch() = overlap;
     run_grid(grid, blk, [&] { kernel(args...); });
+    overlapped_launch() = false;
   };
 }
 
 // ---- the PTX of w4a16_gemm.cu
 inline uint4 ld_stream(const int32_t* p) {
+  require_awaited("a load");
   uint4 r;
   std::memcpy(&r, p, 16);
   return r;
@@ -325,12 +342,25 @@ inline uint4 ld_stream(const int32_t* p) {
 // read before the wait, or by another thread before the barrier after it, sees stale data, as it may on the GPU)
 inline uint32_t smem_offset(const void* p);
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
+  require_awaited("cp.async");
   const uint32_t at = smem_offset(smem);
   for (const auto& r : block()->wg_reads)
     if (at < r->end && at + 16 > r->start)
       return fail("cp.async into shared memory bytes %u.. that an issued wgmma may still read (%u..%u): wait for it "
                   "first", at, r->start, r->end);
   block()->fibers[block()->current].copies.open.push_back(Copy{smem, full ? gmem : nullptr});
+}
+// griddepcontrol.launch_dependents + griddepcontrol.wait: nothing runs beside a launch here, so only the order of
+// the calling thread's accesses is checked (require_awaited)
+inline void grid_dependency_wait() { block()->fibers[block()->current].awaited = true; }
+// cp.async.bulk.prefetch.L2: reads nothing for the kernel, but its range must be valid, 16-byte aligned and sized
+inline void prefetch_l2(const void* p, uint32_t bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 || bytes == 0 || bytes % 16)
+    return fail("cp.async.bulk.prefetch.L2 of %u bytes at %p: needs a positive multiple of 16 bytes at a 16-byte "
+                "aligned address", bytes, p);
+  const volatile char* c = static_cast<const char*>(p);
+  (void)c[0];
+  (void)c[bytes - 1];  // past a buffer's end: the guard page faults
 }
 inline void cp_async_commit() { block()->fibers[block()->current].copies.commit(); }
 // all but the newest n committed groups complete
@@ -401,6 +431,7 @@ inline int __syncthreads_or(int pred) {
 inline void __syncwarp(unsigned = 0xffffffffu) { hf_w4_emu::warp_barrier(); }
 inline void __threadfence() {}
 inline int atomicAdd(int* p, int v) {
+  hf_w4_emu::require_awaited("an atomic");
   const int old = *p;
   *p = old + v;
   return old;
@@ -420,9 +451,15 @@ T __shfl_sync(unsigned, T v, int src) {
 template <class T>
 T __ldg(const T* p) { return *p; }
 template <class T>
-T __ldcg(const T* p) { return *p; }
+T __ldcg(const T* p) {
+  hf_w4_emu::require_awaited("a load");
+  return *p;
+}
 template <class T>
-void __stcg(T* p, T v) { *p = v; }
+void __stcg(T* p, T v) {
+  hf_w4_emu::require_awaited("a store");
+  *p = v;
+}
 
 // ---- cuda_fp16.h / cuda_bf16.h: the types and intrinsics the kernels use; each operation rounds its exact fp32
 // result once (exact in fp32 for the kernels' operands)

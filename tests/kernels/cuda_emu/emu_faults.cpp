@@ -43,17 +43,30 @@ void deadlock_kernel() {
   else __syncthreads();
 }
 
+// A launch that overlaps the kernel before it: an L2 prefetch (fault 8: of 8 bytes, not a multiple of 16), then a copy
+// from global memory, after griddepcontrol.wait (fault 7: before it)
+void overlap_kernel(int fault) {
+  static const uint4 src{};
+  hf_w4_emu::prefetch_l2(&src, fault == 8 ? 8 : 16);
+  if (fault != 7) hf_w4_emu::grid_dependency_wait();
+  hf_w4_emu::cp_async16(&smem[threadIdx.x], &src);
+  hf_w4_emu::cp_async_commit();
+  hf_w4_emu::cp_async_wait(0);
+}
+
 }  // namespace
 
 extern "C" {
 
 // Launches fault case `which` (0: no fault; 1: cp.async into an in-flight wgmma's B; 2: a thread exits with a wgmma in
 // flight; 3: a barrier that cannot complete; 4: a swizzled wgmma descriptor; 5: more dynamic shared memory than an
-// SM has; 6: A's registers written while a wgmma reads them); 0 if the launch came back without an error, else -3
-// (the error: hf_w4_emu_fault_error)
+// SM has; 6: A's registers written while a wgmma reads them; 7: a copy before griddepcontrol.wait in a launch that
+// overlaps the kernel before it; 8: a prefetch of a size that is not a multiple of 16; 9: that launch without a
+// fault); 0 if the launch came back without an error, else -3 (the error: hf_w4_emu_fault_error)
 int hf_w4_emu_fault(int which) {
   hf_w4_emu::launch_error().clear();
-  if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
+  if (which >= 7) hf_w4_emu::launch(overlap_kernel, dim3(2), dim3(32), 0, true)(which);
+  else if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
   else hf_w4_emu::launch(wgmma_kernel, dim3(2), dim3(128), which == 5 ? hf_w4_emu::kSharedBytes + 16 : 0)(which);
   return hf_w4_emu::launch_error().empty() ? 0 : -3;
 }

@@ -57,8 +57,9 @@ int hf_w4_emu_gemm(const void* x, const int32_t* qpack, const void* scales, cons
                    int mt, int wide, int force_splits, int wgmma, int wgmma_rows, int* splits, int* rows) {
   hf_w4_emu::launch_error().clear();
   const int npad = (n + 63) / 64 * 64;
-  const GemmPlan plan =
+  GemmPlan plan =
       w4a16_gemm_plan(m, npad, k, bf16 != 0, kind, sms, mt, wide, nullptr, force_splits, wgmma != 0, wgmma_rows);
+  plan.overlap = true;  // as on sm_90+: every access but the prefetches must follow griddepcontrol.wait
   *splits = plan.splits;
   *rows = plan.bm;
   const int gs = kind == kNvfp4 ? 16 : group_size;
