@@ -74,8 +74,8 @@ VARIABLES = (
     Variable("HF_W4_CUDA_WGMMA_ROWS", "C++", "64 / 128", "cuda_w4a16: the wgmma kernel's rows of x per block "
              "instead of the rule (64 up to M = 64, else 128); read on every call"),
     Variable("HF_W4_CUDA_PDL", "C++", "1 / 0", "cuda_w4a16: 0 launches the fused kernels without overlapping the "
-             "kernel before them in the stream (programmatic dependent launch, compute capability 9.0+; default 1: "
-             "overlap); read on every call"),
+             "kernel before them in the stream (programmatic dependent launch; default 1: overlap on "
+             "compute capability 9.x / 10.x); read on every call"),
     Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
              "does not know, for its %-of-bandwidth column"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),

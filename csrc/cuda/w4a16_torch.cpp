@@ -132,7 +132,8 @@ int wgmma_rows_override() {
 }
 
 // HF_W4_CUDA_PDL=0: launch the GEMM kernels without overlapping the kernel before them in the stream (programmatic
-// dependent launch, on GPUs of compute capability 9.0 and up); 1 (the default): overlap where the GPU can
+// dependent launch); 1 (the default): overlap on GPUs of compute capability 9.x and 10.x (Hopper, data-center
+// Blackwell; on sm_120 CUDA graph capture of such launches has been reported to fail)
 bool overlap_setting(int device) {
   static int major[64] = {0};
   if (!plan_setting("HF_W4_CUDA_PDL", 1, [](int v) { return v == 0 || v == 1; }, "1 (overlap) or 0 (not)"))
@@ -142,7 +143,7 @@ bool overlap_setting(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
     if (device < 64) major[device] = v;
   }
-  return v >= 9;
+  return v == 9 || v == 10;
 }
 
 // the fused kernel's work split for this call on ``device``

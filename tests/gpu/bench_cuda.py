@@ -7,8 +7,8 @@ the layer's large M: HF_W4_CUDA_LARGE_M, default 128, or 320 where the fused pat
 dequantize + cuBLAS from there), both paths separately (the crossover), and
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
 the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
-replays. On compute capability 9.0+ the fused kernels' launches overlap the call before them (programmatic dependent
-launch, as for the back-to-back projections of a decoder layer); the tiling table also times them without
+replays. On compute capability 9.x / 10.x the fused kernels' launches overlap the call before them (programmatic
+dependent launch, as for the back-to-back projections of a decoder layer); the tiling table also times them without
 (HF_W4_CUDA_PDL=0). Columns: microseconds per call, speed-up over dense in the same
 dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
 last, the path the layer takes at this M (bf16): "deq+mm", "fused" (the mma.sync kernels) or "wgmma" (warpgroups x
@@ -207,7 +207,7 @@ def _tilings(n: int, k: int, i4, copies: int, record: dict) -> str:
     launches where they overlap; the times also go into ``record`` by cell name."""
     cells = []
     split_k = _honoured("HF_W4_CUDA_SPLITS", 1, 3)
-    overlap = _honoured("HF_W4_CUDA_PDL", 1, 8)  # this tree's launches overlap the call before (sm_90+)
+    overlap = _honoured("HF_W4_CUDA_PDL", 1, 8)  # this tree's launches overlap the call before
     for m, mts in TILING_MS.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
         plan = torch.ops.hf_w4.cuda_w4a16_plan(m, n, k, "int4", False, True)
