@@ -94,7 +94,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // asks L2 for the start of its weights and scales (a hint; no data reaches the kernel before the wait, so nothing
 // stale can), lets the kernel after it start the same way, then waits until the kernel before it has completed with
 // its writes visible. x, the partials, the counters and y (whose memory that kernel may still use) are touched only
-// after the wait. Back-to-back calls then hide each other's launch, ramp and split-K fix-up.
+// after the wait. Back-to-back calls then start the next one's launch and first weight reads during the end of the
+// one before.
 
 // k16 steps of a tile that a block prefetches (16 KB of weights): the ring's start; resident blocks x this stays
 // well below the L2 while the kernel before still streams through it

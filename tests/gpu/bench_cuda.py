@@ -8,7 +8,7 @@ dequantize + cuBLAS from there), both paths separately (the crossover), and
 torch._weight_int4pack_mm where it runs. Cold weights: every call reads the next of enough weight copies to exceed
 the L2 several times. Each measurement replays a CUDA graph of 20 (M <= 64) or 5 calls; CUDA events, median of 7
 replays. On compute capability 9.x / 10.x the fused kernels' launches overlap the call before them (programmatic
-dependent launch, as for the back-to-back projections of a decoder layer); the tiling table also times them without
+dependent launch, as for a decoder layer's q, k and v projections); the tiling table also times them without
 (HF_W4_CUDA_PDL=0). Columns: microseconds per call, speed-up over dense in the same
 dtype, achieved GB/s of weight bytes read (packed codes + scales) and that as a fraction of the memory bandwidth;
 last, the path the layer takes at this M (bf16): "deq+mm", "fused" (the mma.sync kernels) or "wgmma" (warpgroups x
