@@ -89,6 +89,9 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
+// group (scale row) of k16 step kt: a shift where the group is a power-of-two number of steps
+__device__ __forceinline__ int step_group(int kt, int gsteps, int gshift) { return gshift >= 0 ? kt >> gshift : kt / gsteps; }
+
 // ---- Overlap with the kernel before in the stream (programmatic dependent launch, sm_90+). The GEMM kernels are
 // launched so that their blocks may start while that kernel still runs (launch_kernel's `overlap`): a block first
 // asks L2 for the start of its weights and scales (a hint; no data reaches the kernel before the wait, so nothing
@@ -127,9 +130,10 @@ __device__ __forceinline__ void prefetch_tile(const GemmArgs& a, int nt, int kt,
   prefetch_l2(a.qpack + tile_word(kt, nt, ksteps), steps * 512, issue);
   if constexpr (KIND == kNvfp4) {
     prefetch_l2(static_cast<const uint8_t*>(a.scales) + group_row(kt, nt, ksteps), steps * 64, issue);
-  } else {
-    const int groups = a.k / a.group_size, g0 = kt * 16 / a.group_size;
-    const int ng = ((kt + steps) * 16 - 1) / a.group_size - g0 + 1;
+  } else {  // groups by shifts where the group size is a power of two steps (the integer divisions are long)
+    const int gsteps = a.group_size >> 4, groups = step_group(ksteps, gsteps, a.group_shift);
+    const int g0 = step_group(kt, gsteps, a.group_shift);
+    const int ng = step_group(kt + steps - 1, gsteps, a.group_shift) - g0 + 1;
     prefetch_l2(static_cast<const uint16_t*>(a.scales) + group_row(g0, nt, groups), ng * 128, issue);
     if constexpr (KIND == kInt4Asym) prefetch_l2(a.zeros + group_row(g0, nt, groups), ng * 64, issue);
   }
@@ -172,8 +176,6 @@ struct WTile {
   uint2 z;  // asymmetric int4: 8 zero-point bytes
 };
 
-// group (scale row) of k16 step kt: a shift where the group is a power-of-two number of steps
-__device__ __forceinline__ int step_group(int kt, int gsteps, int gshift) { return gshift >= 0 ? kt >> gshift : kt / gsteps; }
 
 // NVFP4 block scales of sub-tiles idx, idx + 1 (E4M3 bytes idx, idx + 1 of word, idx even) as nvfp4_scale_pair
 // prepares them; for fp16 on sm_89+ by the hardware conversion (exact), then the same * 2^6 (the emulated build
