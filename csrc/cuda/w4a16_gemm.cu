@@ -506,6 +506,9 @@ __device__ __forceinline__ int acc_pos(int mt, int sub, int r, int g, int t, int
 // rounded once into the activation type: the fused kernels' one output step
 template <class A, int KIND>
 __device__ __forceinline__ void store_y(const GemmArgs& a, int row, int col, float sum) {
+#if defined(HF_W4_CUDA_EMULATE)
+  hf_w4_emu::require_awaited("a store of y");  // the bias too may be the kernel before's output
+#endif
   float v = sum * (KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale);
   if (a.bias) v += A::to_float(static_cast<const uint16_t*>(a.bias)[col]);
   static_cast<uint16_t*>(a.y)[(size_t)row * a.n + col] = A::from_float(v);
