@@ -34,12 +34,13 @@ int weight_kind(c10::string_view weight_type_sv, const std::optional<at::Tensor>
   return zeros.has_value() && zeros->numel() ? kInt4Asym : kInt4Sym;
 }
 
-int sm_count(int device) {
-  // read once per device (cudaDeviceGetAttribute is cheap, but this runs on every call)
+// A device attribute, read once per device (cudaDeviceGetAttribute is cheap, but the plan asks on every call)
+template <cudaDeviceAttr ATTR>
+int device_attribute(int device) {
   static int cached[64] = {0};
   if (device < 64 && cached[device]) return cached[device];
   int v = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, ATTR, device));
   if (device < 64) cached[device] = v;
   return v;
 }
@@ -135,15 +136,10 @@ int wgmma_rows_override() {
 // dependent launch); 1 (the default): overlap on GPUs of compute capability 9.x and 10.x (Hopper, data-center
 // Blackwell; on sm_120 CUDA graph capture of such launches has been reported to fail)
 bool overlap_setting(int device) {
-  static int major[64] = {0};
   if (!plan_setting("HF_W4_CUDA_PDL", 1, [](int v) { return v == 0 || v == 1; }, "1 (overlap) or 0 (not)"))
     return false;
-  int v = device < 64 ? major[device] : 0;
-  if (!v) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device));
-    if (device < 64) major[device] = v;
-  }
-  return v == 9 || v == 10;
+  const int major = device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
+  return major == 9 || major == 10;
 }
 
 // the fused kernel's work split for this call on ``device``
@@ -156,8 +152,9 @@ GemmPlan make_plan(int64_t m, int64_t npad, int64_t k, bool bf16, int kind, int 
     C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
     wgmma = w4a16_wgmma_available(capture == cudaStreamCaptureStatusNone);
   }
-  GemmPlan p = w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sm_count(device), mt, wide, blocks_per_sm,
-                               splits_override(), wgmma, wgmma ? wgmma_rows_override() : 0);
+  const int sms = device_attribute<cudaDevAttrMultiProcessorCount>(device);
+  GemmPlan p = w4a16_gemm_plan((int)m, (int)npad, (int)k, bf16, kind, sms, mt, wide, blocks_per_sm, splits_override(),
+                               wgmma, wgmma ? wgmma_rows_override() : 0);
   p.overlap = overlap_setting(device);
   return p;
 }
