@@ -8,6 +8,7 @@ _C_cuda is missing).
 """
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -24,7 +25,16 @@ exts = [CppExtension("hf_w4._C", sources, include_dirs=[os.path.abspath("csrc")]
                      extra_link_args=["-fopenmp"], py_limited_api=False)] if sources else []
 
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
-if cuda_sources and torch.version.cuda and CUDA_HOME is not None and os.environ.get("HF_W4_NO_CUDA") != "1":
+build_cuda = bool(cuda_sources and torch.version.cuda and CUDA_HOME is not None
+                  and os.environ.get("HF_W4_NO_CUDA") != "1")
+if build_cuda and not os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+    # torch takes the folder above the first nvcc on PATH: a wrapper script there names no toolkit. The CPU library
+    # is still worth installing; loading the CUDA kernels later reports the same reason.
+    print(f"hf_w4: building the CPU library only: CUDA_HOME={CUDA_HOME} (found by torch) has no "
+          "include/cuda_runtime.h; set CUDA_HOME to the CUDA toolkit (e.g. /usr/local/cuda) to build the CUDA kernels "
+          "too", file=sys.stderr)
+    build_cuda = False
+if build_cuda:
     # explicit -gencode flags replace torch's; one SASS per GPU generation, so an H100 runs the sm_90a code
     arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else [
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",

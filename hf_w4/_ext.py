@@ -84,8 +84,12 @@ def load_cuda() -> bool:
                    "(pip install --no-build-isolation . on a machine with nvcc)")
         else:
             from torch.utils import cpp_extension
-            if cpp_extension.CUDA_HOME is None:
+            home = cpp_extension.CUDA_HOME
+            if home is None:
                 err = "no CUDA toolkit found to JIT-build csrc/cuda (set CUDA_HOME or put nvcc on PATH)"
+            elif not os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
+                err = (f"no CUDA toolkit at CUDA_HOME={home} (found by torch: no include/cuda_runtime.h there) to "
+                       "JIT-build csrc/cuda; set CUDA_HOME to the toolkit, e.g. /usr/local/cuda")
             else:
                 build = cuda_build_dir()
                 os.makedirs(build, exist_ok=True)
