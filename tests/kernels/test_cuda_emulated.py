@@ -41,6 +41,7 @@ def emu(cxx_library):
     lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int)]
     lib.hf_w4_emu_wgmma_rule.argtypes = [ctypes.c_int] * 3
     lib.hf_w4_emu_error.restype = ctypes.c_char_p
+    lib.hf_w4_emu_copies_at_issue.argtypes = [ctypes.c_int]
     lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
                                                                                      ctypes.c_int]
     return lib
@@ -188,24 +189,40 @@ def test_wgmma_kernel_group_sizes_emulated(emu, name, gs):
         check_kernel_output(y, x, wk, g, bias, U[torch.float16], False, f"{name} g{gs} wgmma M={m} splits={planned}")
 
 
+@pytest.fixture(scope="module")
+def faults(cxx_library):
+    lib = cxx_library(os.path.join(EMU, "emu_faults.cpp"), ["-std=c++20", "-O1", "-Wall", "-Werror",
+                                                            "-fno-extern-tls-init", "-I", EMU, "-I",
+                                                            os.path.join(ROOT, "csrc", "cpu")],
+                      "g++ not found: the CUDA stand-in cannot be built")
+    lib.hf_w4_emu_fault_error.restype = ctypes.c_char_p
+    return lib
+
+
+def test_copies_landing_at_issue_expose_a_refill_race(faults):
+    """A kernel whose threads refill shared memory that a neighbour reads before any barrier: with the copies landing
+    at the wait (the default) every read sees the old bytes, landing at the issue some see the new ones; so a kernel
+    of w4a16_gemm.cu with such a race would give other bits in the test below."""
+    assert faults.hf_w4_emu_refill_race(0) == 0
+    assert 0 < faults.hf_w4_emu_refill_race(1) < 32
+
+
 @pytest.mark.parametrize("case,error", [(0, None), (1, "that an issued wgmma may still read"),
                                         (2, "exited with wgmma in flight"), (3, "deadlocked at a barrier"),
                                         (4, "wgmma descriptor 4000001000080000 not supported"),
                                         (5, "233488 bytes of dynamic shared memory"),
                                         (6, "A registers of a wgmma in flight were overwritten"),
                                         (7, "before griddepcontrol.wait, in a kernel launched to overlap"),
-                                        (8, "cp.async.bulk.prefetch.L2 of 8 bytes"), (9, None)])
-def test_emulation_reports_faults(cxx_library, case, error):
+                                        (8, "cp.async.bulk.prefetch.L2 of 8 bytes"), (9, None),
+                                        (10, "with a cp.async into them by thread")])
+def test_emulation_reports_faults(faults, case, error):
     """The stand-in's own checks, on kernels built to break them: a copy into the shared memory an issued wgmma reads,
     a thread exiting with a wgmma in flight, a barrier half the block never reaches, a swizzled descriptor, a launch
     asking for more shared memory than an SM has, A's registers rewritten before the wgmma's wait, a copy before
-    griddepcontrol.wait in a launch that overlaps the kernel before it and a prefetch of 8 bytes come back as errors
-    the tests see (not a crash, not silence); the same kernels without the fault come back clean."""
-    lib = cxx_library(os.path.join(EMU, "emu_faults.cpp"), ["-std=c++20", "-O1", "-Wall", "-Werror",
-                                                            "-fno-extern-tls-init", "-I", EMU, "-I",
-                                                            os.path.join(ROOT, "csrc", "cpu")],
-                      "g++ not found: the CUDA stand-in cannot be built")
-    lib.hf_w4_emu_fault_error.restype = ctypes.c_char_p
+    griddepcontrol.wait in a launch that overlaps the kernel before it, a prefetch of 8 bytes and a wgmma issued on
+    bytes a copy has yet to fill come back as errors the tests see (not a crash, not silence); the same kernels without
+    the fault come back clean."""
+    lib = faults
     rc = lib.hf_w4_emu_fault(case)
     message = lib.hf_w4_emu_fault_error().decode()
     if error is None:
@@ -283,3 +300,27 @@ def test_dequantize_kernel_emulated(emu, case, gs, dtype):
     if layer.perm is not None:  # the kernel's column k' is the checkpoint's column perm[k']
         want = want[:, layer.perm]
     assert torch.equal(w.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["gptq_actorder_asym", "ct_nvfp4"])
+def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name):
+    """Every kernel with its cp.async copies landing as early as the GPU may deliver them (at the issue) gives the bits
+    of the default run, where they land as late as it may (at the wait): no thread reads shared memory that another
+    thread's copy may refill before the kernel has ordered that read before the refill (per-warp rings, the wide and
+    wgmma kernels' block-wide rings; one, two and four m16 tiles, 8 or 16 staged rows, split K and not)."""
+    n, k = 136, 592
+    layer, wk, g, gen, bias = _layer_and_bias(name, 16, n, k, torch.bfloat16, seed=4)
+    runs = [dict(m=3), dict(m=16), dict(m=40, mt=2), dict(m=50, mt=4, sms=2), dict(m=16, wide=True),
+            dict(m=40, wide=True), dict(m=64, wgmma=1), dict(m=150, wgmma=1, splits=1)]
+    for run in runs:
+        m = run.pop("m")
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        y, splits = layer.gemm(emu, x, torch.bfloat16, bias, **run)
+        emu.hf_w4_emu_copies_at_issue(1)
+        try:
+            early, _ = layer.gemm(emu, x, torch.bfloat16, bias, **run)
+        finally:
+            emu.hf_w4_emu_copies_at_issue(0)
+        where = f"{name} M={m} {run} splits={splits}"
+        check_kernel_output(y, x, wk, g, bias, U[torch.bfloat16], False, where)
+        assert torch.equal(y, early), f"{where}: other bits with the copies landing at the issue"

@@ -10,11 +10,16 @@
 // copy into shared memory that an issued wgmma may still read, a thread exiting with a wgmma in flight) stop the launch
 // and reach the caller as an error (fail()), not a crash. mma.sync m16n8k16 and __shfl_sync are warp collectives: the
 // lanes deposit their registers, meet, and each computes its own result from the warp's; wgmma is a warpgroup
-// collective that runs at the wait for it, as late as the GPU may run it. cp.async copies land at the issuing thread's
-// cp.async.wait_group, as late as the GPU may deliver them. Half-precision arithmetic rounds once to nearest even from
-// the exact fp32 result, as the device does for these operands; the mma sums its 16 products in fp32 in k order (the
-// hardware's order is not specified, which the tests' error budgets allow for). Not modelled: timing, memory ordering
-// between blocks (blocks do not run concurrently here), hardware-specific handling of special values.
+// collective that reads B from shared memory when the warpgroup issues it, as early as the GPU may, and writes d at
+// the thread's wait for it, as late as the GPU may (B's bytes with a cp.async still in flight at the issue, or a
+// cp.async into them before every thread of the warpgroup has waited for the wgmma, fail the launch). cp.async copies
+// land at the issuing thread's cp.async.wait_group, as late as the GPU may deliver them (a read before the wait sees
+// stale bytes), or with copies_land_at_issue() at the issue, as early as it may, the warps then running one at a time
+// (a refill of a slot that a slower warp has yet to read is seen by that read): a kernel without such races gives the
+// same bits either way. Half-precision arithmetic rounds once to nearest even from the exact fp32 result, as the device
+// does for these operands; the mma sums its 16 products in fp32 in k order (the hardware's order is not specified,
+// which the tests' error budgets allow for). Not modelled: timing, memory ordering between blocks (blocks do not run
+// concurrently here), hardware-specific handling of special values.
 #pragma once
 #define HF_W4_CUDA_EMULATE 1
 
@@ -77,9 +82,10 @@ namespace hf_w4_emu {
 constexpr size_t kSharedBytes = 228u << 10;
 constexpr size_t kStackBytes = 64u << 10;
 
-struct Copy {  // one cp.async: 16 bytes from src, or zeros where src is null
+struct Copy {  // one cp.async: 16 bytes from src, or zeros where src is null; landed: already (at its issue)
   void* dst;
   const void* src;
+  bool landed;
 };
 
 struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmma
@@ -88,14 +94,16 @@ struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmm
 };
 
 // An issued wgmma of a warpgroup: its A fragments as issued and its B in shared memory (the descriptor decoded:
-// start, K-direction core-matrix offset, 8-row-group offset, bytes), until all 128 threads have run their share
+// start, K-direction core-matrix offset, 8-row-group offset, bytes; b: shared memory [start, end) at the issue), until
+// all 128 threads have run their share
 struct IssuedWgmma {
   WarpgroupSlots a;
   bool bf16;
   uint32_t start, lbo, sbo, end;  // end: past B's last byte
+  std::vector<char> b;
   int left = 128;
 };
-// One thread's share of an issued wgmma: B is read from shared memory and d written when the thread waits for it
+// One thread's share of an issued wgmma: d is computed (from B as it was at the issue) when the thread waits for it
 struct PendingWgmma {
   float* d;
   size_t values;
@@ -228,6 +236,16 @@ inline void require_awaited(const char* what) {
          "before it (which may still write that memory)", what, tid(), block_idx().x, block_idx().y, block_idx().z);
 }
 
+// When a cp.async lands: false (the default), when the issuing thread waits for its group (shared memory holds the
+// old bytes until then, so a read before the wait, or by another thread before the barrier after it, sees stale
+// data, as it may on the GPU); true, at the issue, and run_grid runs the warps of a block one at a time, each as far
+// as it goes before the next block barrier, so that a refill issued by a warp ahead lands while a warp behind may still
+// have reads of the old bytes to do, which then see the new ones, as they may on the GPU
+inline bool& copies_land_at_issue() {
+  static bool v = false;
+  return v;
+}
+
 inline void fiber_main() {
   BlockState* b = block();
   b->body();
@@ -271,7 +289,8 @@ inline void warpgroup_barrier() { group_barrier(&BlockState::warpgroups); }
 
 // Runs body() as every thread of every block of the grid. Blocks run in a shuffled order and each round resumes the
 // waiting threads in a shuffled order (fixed seed): no kernel may depend on either, and a fixed order would hide a
-// dependence (e.g. on which split-K block arrives last).
+// dependence (e.g. on which split-K block arrives last). With copies_land_at_issue(), each round runs the warps one at
+// a time in a shuffled order, each until all its threads wait for another warp or have exited.
 inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
   const int threads = (int)(blk.x * blk.y * blk.z);
   if (threads > 1024 || blk.y != 1 || blk.z != 1) return fail("block (%u, %u, %u) not supported", blk.x, blk.y, blk.z);
@@ -302,12 +321,24 @@ inline void run_grid(dim3 grid, dim3 blk, const std::function<void()>& body) {
     while (b.exited < threads) {
       const uint64_t before = b.events;
       std::shuffle(order.begin(), order.end(), rng);
-      for (int t : order) {
-        if (b.fibers[t].done) continue;
+      auto resume = [&](int t) {
+        if (b.fibers[t].done || b.failed) return;
         b.current = t;
         thread_idx() = dim3(t);
         swapcontext(&b.scheduler, &b.fibers[t].ctx);
-        if (b.failed) break;
+      };
+      if (!copies_land_at_issue()) {
+        for (int t : order) resume(t);
+      } else {  // the warps one at a time (shuffled), each as far as it goes without the others
+        std::vector<int> warps((threads + 31) / 32);
+        for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
+        std::shuffle(warps.begin(), warps.end(), rng);
+        for (int w : warps)
+          for (uint64_t seen = ~0ull; seen != b.events && !b.failed;) {
+            seen = b.events;
+            for (int t : order)
+              if (t / 32 == w) resume(t);
+          }
       }
       if (!b.failed && b.events == before) {
         block() = nullptr;
@@ -338,8 +369,11 @@ inline uint4 ld_stream(const int32_t* p) {
   std::memcpy(&r, p, 16);
   return r;
 }
-// cp.async lands when the issuing thread waits for its group (shared memory holds the old bytes until then, so a
-// read before the wait, or by another thread before the barrier after it, sees stale data, as it may on the GPU)
+inline void land(const Copy& c) {
+  if (c.landed) return;
+  if (c.src) std::memcpy(c.dst, c.src, 16);
+  else std::memset(c.dst, 0, 16);
+}
 inline uint32_t smem_offset(const void* p);
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
   require_awaited("cp.async");
@@ -348,7 +382,12 @@ inline void cp_async16(void* smem, const void* gmem, bool full = true) {
     if (at < r->end && at + 16 > r->start)
       return fail("cp.async into shared memory bytes %u.. that an issued wgmma may still read (%u..%u): wait for it "
                   "first", at, r->start, r->end);
-  block()->fibers[block()->current].copies.open.push_back(Copy{smem, full ? gmem : nullptr});
+  Copy c{smem, full ? gmem : nullptr, false};
+  if (copies_land_at_issue()) {
+    land(c);
+    c.landed = true;
+  }
+  block()->fibers[block()->current].copies.open.push_back(c);
 }
 // griddepcontrol.launch_dependents + griddepcontrol.wait: nothing runs beside a launch here, so only the order of
 // the calling thread's accesses is checked (require_awaited)
@@ -365,10 +404,7 @@ inline void prefetch_l2(const void* p, uint32_t bytes) {
 inline void cp_async_commit() { block()->fibers[block()->current].copies.commit(); }
 // all but the newest n committed groups complete
 inline void cp_async_wait(size_t n) {
-  block()->fibers[block()->current].copies.wait(n, [](const Copy& c) {
-    if (c.src) std::memcpy(c.dst, c.src, 16);
-    else std::memset(c.dst, 0, 16);
-  });
+  block()->fibers[block()->current].copies.wait(n, land);
 }
 
 // cvt.rn.f16x2.e4m3x2: the E4M3 byte in bits 0..7 to the low fp16 half, bits 8..15 to the high one (exact; 0x7f /
@@ -529,9 +565,10 @@ inline uint32_t smem_offset(const void* p) {
 // mma.m16n8k16's (warp w of the warpgroup: rows 16 w ..), B K-major without swizzle through the descriptor (start
 // address, K-direction core-matrix offset, 8-row-group offset, each >> 4; anything else fails), D as 16 x N per warp:
 // value i at row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1). Asynchronous as on the GPU, and as
-// late as it may be: each thread's share runs at the wgmma.wait_group that completes it, reading B from shared memory
-// then and writing d then (a kernel that reads d too early gets wrong results here); a cp.async into B's bytes
-// before every thread of the warpgroup has waited for it fails the launch.
+// late as it may be for its result: B is read from shared memory at the issue (as early as the GPU may; a copy into B
+// that some thread has not yet waited for fails the launch), and each thread's share of d is written at the
+// wgmma.wait_group that completes it (a kernel that reads d too early gets wrong results here); a cp.async into B's
+// bytes before every thread of the warpgroup has waited for the wgmma fails the launch.
 template <bool BF16, size_t V>
 void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, int n) {
   BlockState* bs = block();
@@ -558,6 +595,21 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
     op->lbo = lbo;
     op->sbo = sbo;
     op->end = start + (uint32_t)(n / 8 - 1) * sbo + lbo + 128;
+    // B's bytes must have arrived: no thread may still have a copy into them that it has not waited for
+    for (int t = 0; t < bs->threads; ++t) {
+      const auto& q = bs->fibers[t].copies;
+      auto into_b = [&](const Copy& c) {
+        const uint32_t at = smem_offset(c.dst);
+        return at < op->end && at + 16 > op->start;
+      };
+      bool pending = std::any_of(q.open.begin(), q.open.end(), into_b);
+      for (const auto& g : q.groups) pending = pending || std::any_of(g.begin(), g.end(), into_b);
+      if (pending)
+        return fail("wgmma issued on shared memory bytes %u..%u with a cp.async into them by thread %d not yet waited "
+                    "for", op->start, op->end, t);
+    }
+    const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem);
+    op->b.assign(base + op->start, base + op->end);
     bs->wg_issued[tid() / 128] = op;
     bs->wg_reads.push_back(op);
   }
@@ -575,7 +627,7 @@ inline void run_wgmma(const PendingWgmma& share) {
     const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
     return op.bf16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
   };
-  const char* base = reinterpret_cast<const char*>(hf_w4::cuda::smem) + op.start;
+  const char* base = op.b.data();  // B as it was at the issue
   auto A = [&](int row, int k) {
     const int r = row % 16;
     return half(op.a.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);

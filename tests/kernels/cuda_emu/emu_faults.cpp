@@ -27,6 +27,17 @@ void wgmma_kernel(int fault) {
     hf_w4_emu::wgmma_wait(0);
     __syncthreads();
   }
+  if (fault == 10) {  // the next wgmma on B while this thread's copy into B is still in flight
+    static const uint4 src{};
+    hf_w4_emu::wgmma_wait(0);
+    __syncthreads();
+    hf_w4_emu::cp_async16(&smem[threadIdx.x % 64], &src);
+    hf_w4_emu::cp_async_commit();
+    hf_w4_emu::wgmma_m64k16_async<false>(d, a, desc, 64);
+    hf_w4_emu::wgmma_commit();
+    hf_w4_emu::cp_async_wait(0);
+    hf_w4_emu::wgmma_wait(0);
+  }
   if (fault <= 1) {  // a copy into B: fine after the wait, a hazard before it
     static const uint4 src{};
     hf_w4_emu::cp_async16(&smem[threadIdx.x % 64], &src);
@@ -54,6 +65,19 @@ void overlap_kernel(int fault) {
   hf_w4_emu::cp_async_wait(0);
 }
 
+// Each thread refills its 16 bytes of shared memory and, before any barrier, reads its neighbour's: a race, since
+// nothing orders the neighbour's refill after the read. seen[t]: the word thread t read (0: the old bytes)
+void refill_race_kernel(uint32_t* seen) {
+  static const uint4 ones{1u, 1u, 1u, 1u};
+  smem[threadIdx.x] = uint4{0u, 0u, 0u, 0u};
+  __syncthreads();
+  hf_w4_emu::cp_async16(&smem[threadIdx.x], &ones);
+  hf_w4_emu::cp_async_commit();
+  seen[threadIdx.x] = smem[(threadIdx.x + 1) % 32].x;
+  __syncthreads();
+  hf_w4_emu::cp_async_wait(0);
+}
+
 }  // namespace
 
 extern "C" {
@@ -62,13 +86,27 @@ extern "C" {
 // flight; 3: a barrier that cannot complete; 4: a swizzled wgmma descriptor; 5: more dynamic shared memory than an
 // SM has; 6: A's registers written while a wgmma reads them; 7: a copy before griddepcontrol.wait in a launch that
 // overlaps the kernel before it; 8: a prefetch of a size that is not a multiple of 16; 9: that launch without a
-// fault); 0 if the launch came back without an error, else -3 (the error: hf_w4_emu_fault_error)
+// fault; 10: a wgmma issued on shared memory with a copy into it not yet waited for); 0 if the launch came back
+// without an error, else -3 (the error: hf_w4_emu_fault_error)
 int hf_w4_emu_fault(int which) {
   hf_w4_emu::launch_error().clear();
-  if (which >= 7) hf_w4_emu::launch(overlap_kernel, dim3(2), dim3(32), 0, true)(which);
+  if (which == 7 || which == 8 || which == 9) hf_w4_emu::launch(overlap_kernel, dim3(2), dim3(32), 0, true)(which);
   else if (which == 3) hf_w4_emu::launch(deadlock_kernel, dim3(1), dim3(32), 0)();
   else hf_w4_emu::launch(wgmma_kernel, dim3(2), dim3(128), which == 5 ? hf_w4_emu::kSharedBytes + 16 : 0)(which);
   return hf_w4_emu::launch_error().empty() ? 0 : -3;
+}
+
+// The race above in one block of 32 threads, the copies landing at the issue (at_issue = 1) or at the wait: how many
+// threads read their neighbour's new bytes
+int hf_w4_emu_refill_race(int at_issue) {
+  hf_w4_emu::launch_error().clear();
+  uint32_t seen[32] = {};
+  hf_w4_emu::copies_land_at_issue() = at_issue != 0;
+  hf_w4_emu::launch(refill_race_kernel, dim3(1), dim3(32), 0)(seen);
+  hf_w4_emu::copies_land_at_issue() = false;
+  int fresh = 0;
+  for (uint32_t v : seen) fresh += v != 0;
+  return hf_w4_emu::launch_error().empty() ? fresh : -3;
 }
 
 const char* hf_w4_emu_fault_error() { return hf_w4_emu::launch_error().c_str(); }

@@ -105,6 +105,10 @@ void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, in
 // Whether the fused path takes the wgmma kernel by default on a device that has it
 int hf_w4_emu_wgmma_rule(int m, int n, int k) { return w4a16_wgmma_rule(m, (n + 63) / 64 * 64, k); }
 
+// Where the next launches' cp.async copies land: 0 at the issuing thread's wait (the default), 1 at the issue
+// (cuda_runtime.h, copies_land_at_issue)
+void hf_w4_emu_copies_at_issue(int on) { hf_w4_emu::copies_land_at_issue() = on != 0; }
+
 // The error that stopped the last launch (a return value of -3), e.g. a barrier that cannot complete
 const char* hf_w4_emu_error() { return hf_w4_emu::launch_error().c_str(); }
 
