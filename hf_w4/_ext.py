@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import time
 from typing import FrozenSet, Optional
 
 import torch
@@ -91,11 +92,19 @@ def load_cuda() -> bool:
                 err = (f"no CUDA toolkit at CUDA_HOME={home} (found by torch: no include/cuda_runtime.h there) to "
                        "JIT-build csrc/cuda; set CUDA_HOME to the toolkit, e.g. /usr/local/cuda")
             else:
+                from .log import logger  # here only: a JIT build is rare, and log imports transformers
                 build = cuda_build_dir()
                 os.makedirs(build, exist_ok=True)
                 # on an H100 / H200 the library is built for sm_90a (its wgmma kernel); elsewhere torch picks
                 arch = ([] if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.get_device_capability() != (9, 0)
                         else ["-gencode=arch=compute_90a,code=sm_90a"])
+                # a first build takes minutes with nothing else on the screen; later loads reuse it unless a source
+                # or flag changed
+                if not glob.glob(os.path.join(build, "hf_w4_cuda*.so")):
+                    logger.warning("hf_w4: compiling the CUDA kernels (csrc/cuda) for this GPU into %s: a minute or "
+                                   "two, once per torch version (pip install --no-build-isolation . on a machine "
+                                   "with nvcc builds them ahead)", build)
+                t0 = time.monotonic()
                 cpp_extension.load(
                     name="hf_w4_cuda", sources=sorted(glob.glob(os.path.join(src, "*.cpp")) +
                                                       glob.glob(os.path.join(src, "*.cu"))),
@@ -103,6 +112,7 @@ def load_cuda() -> bool:
                     extra_include_paths=[src], extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--threads=0"] + arch,
                     build_directory=build, is_python_module=False,
                     verbose=env.text("HF_W4_CUDA_VERBOSE") == "1")
+                logger.info("hf_w4: CUDA kernels loaded from %s in %.1f s", build, time.monotonic() - t0)
                 ok = True
     except Exception as e:  # noqa: BLE001 - reported through the kernel's is_supported(), not raised
         err = f"building / loading the CUDA library failed: {type(e).__name__}: {e}"

@@ -221,3 +221,32 @@ def test_large_m_default_and_setting(monkeypatch):
     monkeypatch.setenv("HF_W4_CUDA_LARGE_M", "many")
     with pytest.raises(ValueError, match="HF_W4_CUDA_LARGE_M='many': expected an integer number of rows"):
         cw.large_m()
+
+
+def test_jit_route_builds_csrc_cuda_and_says_so(monkeypatch, tmp_path, hf_w4_caplog):
+    """Without a pip-built library, a CUDA build of torch that sees a GPU JIT-builds csrc/cuda (torch's builder is
+    replaced here by a recorder): the sources, the sm_90a target on compute capability 9.0, the build folder, and a
+    warning before a first build (it takes minutes); a toolkit folder without the CUDA headers is an error that names
+    it, not a failed compile."""
+    from torch.utils import cpp_extension
+    calls = []
+    monkeypatch.setattr(_ext, "_cuda_state", {"loaded": None, "error": None})
+    monkeypatch.setattr(_ext.glob, "glob", lambda p, _g=glob.glob: [] if "_C_cuda" in p else _g(p))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("HF_W4_CUDA_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    assert not _ext.load_cuda() and not calls
+    assert f"CUDA_HOME={tmp_path}" in _ext.cuda_load_error() and "cuda_runtime.h" in _ext.cuda_load_error()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setattr(_ext, "_cuda_state", {"loaded": None, "error": None})
+    assert _ext.load_cuda(), _ext.cuda_load_error()
+    (kw,) = calls
+    assert sorted(os.path.basename(f) for f in kw["sources"]) == ["w4a16_gemm.cu", "w4a16_torch.cpp"]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in kw["extra_cuda_cflags"]
+    assert kw["build_directory"] == str(tmp_path / "build") and kw["is_python_module"] is False
+    assert "compiling the CUDA kernels" in hf_w4_caplog.text and "CUDA kernels loaded" in hf_w4_caplog.text
