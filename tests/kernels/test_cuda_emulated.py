@@ -302,14 +302,15 @@ def test_dequantize_kernel_emulated(emu, case, gs, dtype):
     assert torch.equal(w.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("name", ["gptq_actorder_asym", "ct_nvfp4"])
-def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name):
+@pytest.mark.parametrize("name,gs,k", [("gptq_actorder_asym", 16, 592), ("ct_nvfp4", 16, 592), ("gptq_sym", 48, 576)])
+def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name, gs, k):
     """Every kernel with its cp.async copies landing as early as the GPU may deliver them (at the issue) gives the bits
     of the default run, where they land as late as it may (at the wait): no thread reads shared memory that another
     thread's copy may refill before the kernel has ordered that read before the refill (per-warp rings, the wide and
-    wgmma kernels' block-wide rings; one, two and four m16 tiles, 8 or 16 staged rows, split K and not)."""
-    n, k = 136, 592
-    layer, wk, g, gen, bias = _layer_and_bias(name, 16, n, k, torch.bfloat16, seed=4)
+    wgmma kernels' block-wide rings; one, two and four m16 tiles, 8 or 16 staged rows, split K and not; zero points,
+    NVFP4 scales, and groups of three k16 steps, which straddle chunks)."""
+    n = 136
+    layer, wk, g, gen, bias = _layer_and_bias(name, gs, n, k, torch.bfloat16, seed=4)
     runs = [dict(m=3), dict(m=16), dict(m=40, mt=2), dict(m=50, mt=4, sms=2), dict(m=16, wide=True),
             dict(m=40, wide=True), dict(m=64, wgmma=1), dict(m=150, wgmma=1, splits=1)]
     for run in runs:
