@@ -201,7 +201,7 @@ def faults(cxx_library):
 
 def test_copies_landing_at_issue_expose_a_refill_race(faults):
     """A kernel whose threads refill shared memory that a neighbour reads before any barrier: with the copies landing
-    at the wait (the default) every read sees the old bytes, landing at the issue some see the new ones; so a kernel
+    at the wait (the default) every read sees the old bytes, landing when issued some see the new ones; so a kernel
     of w4a16_gemm.cu with such a race would give other bits in the test below."""
     assert faults.hf_w4_emu_refill_race(0) == 0
     assert 0 < faults.hf_w4_emu_refill_race(1) < 32
@@ -304,7 +304,7 @@ def test_dequantize_kernel_emulated(emu, case, gs, dtype):
 
 @pytest.mark.parametrize("name,gs,k", [("gptq_actorder_asym", 16, 592), ("ct_nvfp4", 16, 592), ("gptq_sym", 48, 576)])
 def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name, gs, k):
-    """Every kernel with its cp.async copies landing as early as the GPU may deliver them (at the issue) gives the bits
+    """Every kernel with its cp.async copies landing as early as the GPU may deliver them (when issued) gives the bits
     of the default run, where they land as late as it may (at the wait): no thread reads shared memory that another
     thread's copy may refill before the kernel has ordered that read before the refill (per-warp rings, the wide and
     wgmma kernels' block-wide rings; one, two and four m16 tiles, 8 or 16 staged rows, split K and not; zero points,
@@ -324,4 +324,4 @@ def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name, gs, k):
             emu.hf_w4_emu_copies_at_issue(0)
         where = f"{name} M={m} {run} splits={splits}"
         check_kernel_output(y, x, wk, g, bias, U[torch.bfloat16], False, where)
-        assert torch.equal(y, early), f"{where}: other bits with the copies landing at the issue"
+        assert torch.equal(y, early), f"{where}: other bits with the copies landing when issued"

@@ -11,10 +11,10 @@
 // and reach the caller as an error (fail()), not a crash. mma.sync m16n8k16 and __shfl_sync are warp collectives: the
 // lanes deposit their registers, meet, and each computes its own result from the warp's; wgmma is a warpgroup
 // collective that reads B from shared memory when the warpgroup issues it, as early as the GPU may, and writes d at
-// the thread's wait for it, as late as the GPU may (B's bytes with a cp.async still in flight at the issue, or a
+// the thread's wait for it, as late as the GPU may (B's bytes with a cp.async still in flight when it is issued, or a
 // cp.async into them before every thread of the warpgroup has waited for the wgmma, fail the launch). cp.async copies
 // land at the issuing thread's cp.async.wait_group, as late as the GPU may deliver them (a read before the wait sees
-// stale bytes), or with copies_land_at_issue() at the issue, as early as it may, the warps then running one at a time
+// stale bytes), or with copies_land_at_issue() when issued, as early as it may, the warps then running one at a time
 // (a refill of a slot that a slower warp has yet to read is seen by that read): a kernel without such races gives the
 // same bits either way. Half-precision arithmetic rounds once to nearest even from the exact fp32 result, as the device
 // does for these operands; the mma sums its 16 products in fp32 in k order (the hardware's order is not specified,
@@ -94,7 +94,7 @@ struct WarpgroupSlots {  // what the 128 threads of a warpgroup deposit for wgmm
 };
 
 // An issued wgmma of a warpgroup: its A fragments as issued and its B in shared memory (the descriptor decoded:
-// start, K-direction core-matrix offset, 8-row-group offset, bytes; b: shared memory [start, end) at the issue), until
+// start, K-direction core-matrix offset, 8-row-group offset, bytes; b: shared memory [start, end) when issued), until
 // all 128 threads have run their share
 struct IssuedWgmma {
   WarpgroupSlots a;
@@ -103,7 +103,7 @@ struct IssuedWgmma {
   std::vector<char> b;
   int left = 128;
 };
-// One thread's share of an issued wgmma: d is computed (from B as it was at the issue) when the thread waits for it
+// One thread's share of an issued wgmma: d is computed (from B as it was when issued) when the thread waits for it
 struct PendingWgmma {
   float* d;
   size_t values;
@@ -238,7 +238,7 @@ inline void require_awaited(const char* what) {
 
 // When a cp.async lands: false (the default), when the issuing thread waits for its group (shared memory holds the
 // old bytes until then, so a read before the wait, or by another thread before the barrier after it, sees stale
-// data, as it may on the GPU); true, at the issue, and run_grid runs the warps of a block one at a time, each as far
+// data, as it may on the GPU); true, when issued, and run_grid runs the warps of a block one at a time, each as far
 // as it goes before the next block barrier, so that a refill issued by a warp ahead lands while a warp behind may still
 // have reads of the old bytes to do, which then see the new ones, as they may on the GPU
 inline bool& copies_land_at_issue() {
@@ -565,7 +565,7 @@ inline uint32_t smem_offset(const void* p) {
 // mma.m16n8k16's (warp w of the warpgroup: rows 16 w ..), B K-major without swizzle through the descriptor (start
 // address, K-direction core-matrix offset, 8-row-group offset, each >> 4; anything else fails), D as 16 x N per warp:
 // value i at row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1). Asynchronous as on the GPU, and as
-// late as it may be for its result: B is read from shared memory at the issue (as early as the GPU may; a copy into B
+// late as it may be for its result: B is read from shared memory when issued (as early as the GPU may; a copy into B
 // that some thread has not yet waited for fails the launch), and each thread's share of d is written at the
 // wgmma.wait_group that completes it (a kernel that reads d too early gets wrong results here); a cp.async into B's
 // bytes before every thread of the warpgroup has waited for the wgmma fails the launch.
@@ -627,7 +627,7 @@ inline void run_wgmma(const PendingWgmma& share) {
     const uint16_t bits = static_cast<uint16_t>(v >> (16 * h));
     return op.bf16 ? hf_w4::bf16_bits_to_f32(bits) : hf_w4::f16_bits_to_f32(bits);
   };
-  const char* base = op.b.data();  // B as it was at the issue
+  const char* base = op.b.data();  // B as it was when issued
   auto A = [&](int row, int k) {
     const int r = row % 16;
     return half(op.a.a[32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);

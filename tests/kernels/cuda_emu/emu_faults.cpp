@@ -96,7 +96,7 @@ int hf_w4_emu_fault(int which) {
   return hf_w4_emu::launch_error().empty() ? 0 : -3;
 }
 
-// The race above in one block of 32 threads, the copies landing at the issue (at_issue = 1) or at the wait: how many
+// The race above in one block of 32 threads, the copies landing when issued (at_issue = 1) or at the wait: how many
 // threads read their neighbour's new bytes
 int hf_w4_emu_refill_race(int at_issue) {
   hf_w4_emu::launch_error().clear();

@@ -105,7 +105,7 @@ void hf_w4_emu_plan(int m, int n, int k, int bf16, int kind, int sms, int mt, in
 // Whether the fused path takes the wgmma kernel by default on a device that has it
 int hf_w4_emu_wgmma_rule(int m, int n, int k) { return w4a16_wgmma_rule(m, (n + 63) / 64 * 64, k); }
 
-// Where the next launches' cp.async copies land: 0 at the issuing thread's wait (the default), 1 at the issue
+// Where the next launches' cp.async copies land: 0 at the issuing thread's wait (the default), 1 when issued
 // (cuda_runtime.h, copies_land_at_issue)
 void hf_w4_emu_copies_at_issue(int on) { hf_w4_emu::copies_land_at_issue() = on != 0; }
 
