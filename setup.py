@@ -27,7 +27,9 @@ exts = [CppExtension("hf_w4._C", sources, include_dirs=[os.path.abspath("csrc")]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
 build_cuda = bool(cuda_sources and torch.version.cuda and CUDA_HOME is not None
                   and os.environ.get("HF_W4_NO_CUDA") != "1")
-if build_cuda and not os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+# the include folders torch's build passes for CUDA: $CUDA_HOME/include and $CUDA_INC_PATH
+cuda_includes = [os.path.join(CUDA_HOME or "", "include"), os.environ.get("CUDA_INC_PATH", "")]
+if build_cuda and not any(os.path.isfile(os.path.join(d, "cuda_runtime.h")) for d in cuda_includes if d):
     # torch takes the folder above the first nvcc on PATH: a wrapper script there names no toolkit. The CPU library
     # is still worth installing; loading the CUDA kernels later reports the same reason.
     print(f"hf_w4: building the CPU library only: CUDA_HOME={CUDA_HOME} (found by torch) has no "

@@ -88,7 +88,8 @@ def load_cuda() -> bool:
             home = cpp_extension.CUDA_HOME
             if home is None:
                 err = "no CUDA toolkit found to JIT-build csrc/cuda (set CUDA_HOME or put nvcc on PATH)"
-            elif not os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
+            elif not any(os.path.isfile(os.path.join(d, "cuda_runtime.h"))  # the include folders torch passes
+                         for d in (os.path.join(home, "include"), os.environ.get("CUDA_INC_PATH", "")) if d):
                 err = (f"no CUDA toolkit at CUDA_HOME={home} (found by torch: no include/cuda_runtime.h there) to "
                        "JIT-build csrc/cuda; set CUDA_HOME to the toolkit, e.g. /usr/local/cuda")
             else:

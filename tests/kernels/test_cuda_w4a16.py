@@ -226,8 +226,8 @@ def test_large_m_default_and_setting(monkeypatch):
 def test_jit_route_builds_csrc_cuda_and_says_so(monkeypatch, tmp_path, hf_w4_caplog):
     """Without a pip-built library, a CUDA build of torch that sees a GPU JIT-builds csrc/cuda (torch's builder is
     replaced here by a recorder): the sources, the sm_90a target on compute capability 9.0, the build folder, and a
-    warning before a first build (it takes minutes); a toolkit folder without the CUDA headers is an error that names
-    it, not a failed compile."""
+    warning before a first build (it takes minutes); a toolkit folder without the CUDA headers (neither there nor in
+    $CUDA_INC_PATH) is an error that names it, not a failed compile."""
     from torch.utils import cpp_extension
     calls = []
     monkeypatch.setattr(_ext, "_cuda_state", {"loaded": None, "error": None})
@@ -239,10 +239,12 @@ def test_jit_route_builds_csrc_cuda_and_says_so(monkeypatch, tmp_path, hf_w4_cap
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setenv("HF_W4_CUDA_BUILD_DIR", str(tmp_path / "build"))
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("CUDA_INC_PATH", raising=False)
     assert not _ext.load_cuda() and not calls
     assert f"CUDA_HOME={tmp_path}" in _ext.cuda_load_error() and "cuda_runtime.h" in _ext.cuda_load_error()
-    (tmp_path / "include").mkdir()
-    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    (tmp_path / "headers").mkdir()  # the headers elsewhere, named by CUDA_INC_PATH, which torch's build passes too
+    (tmp_path / "headers" / "cuda_runtime.h").write_text("")
+    monkeypatch.setenv("CUDA_INC_PATH", str(tmp_path / "headers"))
     monkeypatch.setattr(_ext, "_cuda_state", {"loaded": None, "error": None})
     assert _ext.load_cuda(), _ext.cuda_load_error()
     (kw,) = calls
