@@ -102,6 +102,7 @@ struct IssuedWgmma {
   uint32_t start, lbo, sbo, end;  // end: past B's last byte
   std::vector<char> b;
   int left = 128;
+  bool overlaps(const void* smem16) const;  // whether 16 bytes of shared memory there lie partly in B
 };
 // One thread's share of an issued wgmma: d is computed (from B as it was when issued) when the thread waits for it
 struct PendingWgmma {
@@ -375,13 +376,16 @@ inline void land(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 inline uint32_t smem_offset(const void* p);
+inline bool IssuedWgmma::overlaps(const void* smem16) const {
+  const uint32_t at = smem_offset(smem16);
+  return at < end && at + 16 > start;
+}
 inline void cp_async16(void* smem, const void* gmem, bool full = true) {
   require_awaited("cp.async");
-  const uint32_t at = smem_offset(smem);
   for (const auto& r : block()->wg_reads)
-    if (at < r->end && at + 16 > r->start)
+    if (r->overlaps(smem))
       return fail("cp.async into shared memory bytes %u.. that an issued wgmma may still read (%u..%u): wait for it "
-                  "first", at, r->start, r->end);
+                  "first", smem_offset(smem), r->start, r->end);
   Copy c{smem, full ? gmem : nullptr, false};
   if (copies_land_at_issue()) {
     land(c);
@@ -596,12 +600,9 @@ void wgmma_m64k16_async(float (&d)[V], const uint32_t (&a)[4], uint64_t desc, in
     op->sbo = sbo;
     op->end = start + (uint32_t)(n / 8 - 1) * sbo + lbo + 128;
     // B's bytes must have arrived: no thread may still have a copy into them that it has not waited for
+    const auto into_b = [&](const Copy& c) { return op->overlaps(c.dst); };
     for (int t = 0; t < bs->threads; ++t) {
       const auto& q = bs->fibers[t].copies;
-      auto into_b = [&](const Copy& c) {
-        const uint32_t at = smem_offset(c.dst);
-        return at < op->end && at + 16 > op->start;
-      };
       bool pending = std::any_of(q.open.begin(), q.open.end(), into_b);
       for (const auto& g : q.groups) pending = pending || std::any_of(g.begin(), g.end(), into_b);
       if (pending)
