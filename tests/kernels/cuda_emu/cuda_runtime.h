@@ -1,7 +1,8 @@
-// A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that csrc/cuda/w4a16_gemm.cu uses, so
-// that g++ can build the kernels unchanged (the file takes HF_W4_CUDA_EMULATE branches only for its inline PTX, its
-// launches and one check of the stores of y) and tests/kernels/test_cuda_emulated.py can run them on machines without a
-// GPU. Found before the toolkit's headers through the include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
+// A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that csrc/cuda/w4a16_gemm.cu (and the
+// .cuh files it includes) uses, so that g++ can build the kernels unchanged (the code takes HF_W4_CUDA_EMULATE
+// branches only for its inline PTX, its launches and one check of the stores of y) and tests/kernels/
+// test_cuda_emulated.py can run them on machines without a GPU. Found before the toolkit's headers through the
+// include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
 //
 // Each block runs as one fiber per thread (ucontext) on the calling thread, blocks one after another. Fibers switch
 // only at barriers and warp collectives, so everything in between runs as one thread would. __syncthreads / __syncwarp
