@@ -83,6 +83,29 @@ def cxx_library(tmp_path_factory):
     return build
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_EMU = os.path.join(REPO, "tests", "kernels", "cuda_emu")
+
+
+@pytest.fixture(scope="session")
+def cuda_emu(cxx_library):
+    """The CUDA kernels (csrc/cuda/w4a16_gemm.cu) built by g++ against tests/kernels/cuda_emu, a CPU stand-in for
+    CUDA, as a ctypes library (its exports: tests/kernels/cuda_emu/w4a16_emu.cpp)."""
+    flags = ["-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-I", CUDA_EMU,
+             "-I", os.path.join(REPO, "csrc", "cuda"), "-I", os.path.join(REPO, "csrc", "cpu")]
+    lib = cxx_library(os.path.join(CUDA_EMU, "w4a16_emu.cpp"), flags,
+                      "g++ not found: the emulated CUDA kernels cannot be built")
+    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 6 + \
+        [ctypes.POINTER(ctypes.c_int)] * 2
+    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int)]
+    lib.hf_w4_emu_wgmma_rule.argtypes = [ctypes.c_int] * 3
+    lib.hf_w4_emu_error.restype = ctypes.c_char_p
+    lib.hf_w4_emu_copies_at_issue.argtypes = [ctypes.c_int]
+    lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
+                                                                                     ctypes.c_int]
+    return lib
+
+
 def rel_err(a, b) -> float:
     """max |a - b| / max |b|, in fp32."""
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

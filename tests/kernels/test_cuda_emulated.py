@@ -20,31 +20,13 @@ import os
 import pytest
 import torch
 
+from conftest import CUDA_EMU, REPO
 from qweight_cases import GROUPS, LAYOUTS, check_kernel_output, kernel_dtype_weight, make_qweight
 from hf_w4.kernels import cuda_w4a16 as cw
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EMU = os.path.join(ROOT, "tests", "kernels", "cuda_emu")
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
 SMS = 132  # an H100's SMs: the split-K plans of the GPU
-
-
-@pytest.fixture(scope="module")
-def emu(cxx_library):
-    flags = ["-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-I", EMU, "-I",
-             os.path.join(ROOT, "csrc", "cuda"), "-I", os.path.join(ROOT, "csrc", "cpu")]
-    lib = cxx_library(os.path.join(EMU, "w4a16_emu.cpp"), flags,
-                      "g++ not found: the emulated CUDA kernels cannot be built")
-    lib.hf_w4_emu_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 6 + \
-        [ctypes.POINTER(ctypes.c_int)] * 2
-    lib.hf_w4_emu_plan.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int)]
-    lib.hf_w4_emu_wgmma_rule.argtypes = [ctypes.c_int] * 3
-    lib.hf_w4_emu_error.restype = ctypes.c_char_p
-    lib.hf_w4_emu_copies_at_issue.argtypes = [ctypes.c_int]
-    lib.hf_w4_emu_dequant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int,
-                                                                                     ctypes.c_int]
-    return lib
 
 
 def _ptr(t):
@@ -91,7 +73,7 @@ class Layer:
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case,gs", LAYOUT_GROUPS, ids=[f"{c[0]}-g{gs}" for c, gs in LAYOUT_GROUPS])
-def test_fused_kernel_emulated(emu, case, gs, dtype, wide):
+def test_fused_kernel_emulated(cuda_emu, case, gs, dtype, wide):
     """Every layout and group size, both fused kernels: M across the tilings (MR = 8 rings up to 8 rows, one and two
     m16 tiles per block, several m-blocks), split-K and not, a bias, and K with an odd number of k16 steps."""
     u = U[dtype]
@@ -106,14 +88,14 @@ def test_fused_kernel_emulated(emu, case, gs, dtype, wide):
         bias = (torch.randn(n, generator=gen) * 0.1).to(dtype) if n == 136 else None
         for m in (1, 3, 9, 33):
             x = torch.randn(m, k, generator=gen).to(dtype)
-            y, splits = layer.gemm(emu, x, dtype, bias, wide=wide)
+            y, splits = layer.gemm(cuda_emu, x, dtype, bias, wide=wide)
             check_kernel_output(y, x, wk, g, bias, u, False,
                                 f"{case[0]} g{gs} {dtype} wide={wide} N={n} K={k} M={m} splits={splits}")
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("mt", [1, 2, 4])
-def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
+def test_fused_kernel_tilings_and_split_k_emulated(cuda_emu, mt, wide):
     """Each m16 tiling forced at M = 1-40 (four tiles: up to 70) over several m-blocks; with and without split-K
     (K = 2048 splits, the wide N does not) and with a short last chunk (K = 592: 37 k16 steps); the same inputs give
     the same bits twice."""
@@ -123,12 +105,12 @@ def test_fused_kernel_tilings_and_split_k_emulated(emu, mt, wide):
         wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
         x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for m in (1, 17, 40) + ((64, 70) if mt == 4 else ()):
-            plan = _plan(emu, m, n, k, SMS, mt=mt, wide=int(wide))
+            plan = _plan(cuda_emu, m, n, k, SMS, mt=mt, wide=int(wide))
             assert (plan["mt"], plan["wide"], plan["mblocks"]) == (mt, int(wide), -(-m // (16 * mt))), plan
-            y, splits = layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)
+            y, splits = layer.gemm(cuda_emu, x[:m], torch.bfloat16, mt=mt, wide=wide)
             check_kernel_output(y, x[:m], wk, 1.0, None, U[torch.bfloat16], False,
                                 f"mt={mt} wide={wide} N={n} K={k} M={m} splits={splits}")
-            assert torch.equal(y, layer.gemm(emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
+            assert torch.equal(y, layer.gemm(cuda_emu, x[:m], torch.bfloat16, mt=mt, wide=wide)[0]), "two runs differ"
 
 
 def _layer_and_bias(name, gs, n, k, dtype, seed):
@@ -143,21 +125,21 @@ def _layer_and_bias(name, gs, n, k, dtype, seed):
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_actorder_asym", "awq", "ct_nvfp4"])
-def test_four_tile_blocks_every_kind_emulated(emu, name, dtype, wide):
+def test_four_tile_blocks_every_kind_emulated(cuda_emu, name, dtype, wide):
     """Four m16 tiles per block (forced) for the other weight kinds (zero points, act-order, NVFP4), both dtypes, a
     bias, a full and a partial block of 64 rows, K split or not."""
     n, k = 136, 512
     layer, wk, g, gen, bias = _layer_and_bias(name, 16 if "nvfp4" in name else 64, n, k, dtype, seed=9)
     for m, sms in ((64, SMS), (50, 2)):
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, splits = layer.gemm(emu, x, dtype, bias, mt=4, wide=wide, sms=sms)
+        y, splits = layer.gemm(cuda_emu, x, dtype, bias, mt=4, wide=wide, sms=sms)
         check_kernel_output(y, x, wk, g, bias, U[dtype], False,
                             f"{name} {dtype} mt=4 wide={wide} M={m} splits={splits}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["gptq_sym", "gptq_actorder_asym", "awq", "ct_nvfp4"])
-def test_wgmma_kernel_emulated(emu, name, dtype):
+def test_wgmma_kernel_emulated(cuda_emu, name, dtype):
     """The sm_90a wgmma kernel (forced; blocks of 4 warpgroups x 64 columns, 64 or 128 rows): every weight kind, both
     dtypes, a bias, full and partial blocks of rows and several m-blocks, three column tiles (a warpgroup past the last
     tile), K with a short last chunk (37 k16 steps), K split (the plan fills 132 SMs: 4 splits of 12 steps, whole
@@ -168,7 +150,7 @@ def test_wgmma_kernel_emulated(emu, name, dtype):
     for m, forced, splits, rows in ((1, 0, 0, 64), (64, 0, 1, 64), (128, 0, 0, 128), (150, 0, 1, 128),
                                     (150, 64, 0, 64), (40, 128, 0, 128)):
         x = torch.randn(m, k, generator=gen).to(dtype)
-        y, planned = layer.gemm(emu, x, dtype, bias, splits=splits, wgmma=1, wgmma_rows=forced)
+        y, planned = layer.gemm(cuda_emu, x, dtype, bias, splits=splits, wgmma=1, wgmma_rows=forced)
         assert (layer.rows, planned) == (rows, splits or 4), (m, forced, layer.rows, planned)
         check_kernel_output(y, x, wk, g, bias, U[dtype], False, f"{name} {dtype} wgmma rows={rows} M={m} "
                             f"splits={planned}")
@@ -176,7 +158,7 @@ def test_wgmma_kernel_emulated(emu, name, dtype):
 
 @pytest.mark.parametrize("name", ["gptq_sym", "awq"])
 @pytest.mark.parametrize("gs", [16, 32, 48, 128])
-def test_wgmma_kernel_group_sizes_emulated(emu, name, gs):
+def test_wgmma_kernel_group_sizes_emulated(cuda_emu, name, gs):
     """The wgmma kernel's scale rows per k16 step of its 4-step chunks: groups of 1, 2 and 8 steps and of 3 (groups
     straddle chunks and splits; the group index by division); 128 and 64 rows per block; K in the plan's 6 splits of
     8 steps, in 4 of 12 and in 1."""
@@ -184,17 +166,16 @@ def test_wgmma_kernel_group_sizes_emulated(emu, name, gs):
     layer, wk, g, gen, bias = _layer_and_bias(name, gs, n, k, torch.float16, seed=gs)
     for m, splits, planned_splits in ((70, 0, 6), (33, 5, 4), (33, 1, 1)):
         x = torch.randn(m, k, generator=gen).to(torch.float16)
-        y, planned = layer.gemm(emu, x, torch.float16, bias, splits=splits, wgmma=1)
+        y, planned = layer.gemm(cuda_emu, x, torch.float16, bias, splits=splits, wgmma=1)
         assert planned == planned_splits, (m, splits, planned)
         check_kernel_output(y, x, wk, g, bias, U[torch.float16], False, f"{name} g{gs} wgmma M={m} splits={planned}")
 
 
 @pytest.fixture(scope="module")
 def faults(cxx_library):
-    lib = cxx_library(os.path.join(EMU, "emu_faults.cpp"), ["-std=c++20", "-O1", "-Wall", "-Werror",
-                                                            "-fno-extern-tls-init", "-I", EMU, "-I",
-                                                            os.path.join(ROOT, "csrc", "cpu")],
-                      "g++ not found: the CUDA stand-in cannot be built")
+    flags = ["-std=c++20", "-O1", "-Wall", "-Werror", "-fno-extern-tls-init", "-I", CUDA_EMU, "-I",
+             os.path.join(REPO, "csrc", "cpu")]
+    lib = cxx_library(os.path.join(CUDA_EMU, "emu_faults.cpp"), flags, "g++ not found: the CUDA stand-in cannot be built")
     lib.hf_w4_emu_fault_error.restype = ctypes.c_char_p
     return lib
 
@@ -231,18 +212,18 @@ def test_emulation_reports_faults(faults, case, error):
         assert rc == -3 and error in message, (rc, message)
 
 
-def test_wgmma_rule_emulated(emu):
+def test_wgmma_rule_emulated(cuda_emu):
     """Where the device has the wgmma kernel the fused path takes it from M = 64 on layers of at least 2^25 weights
     (14336 x 4096 and larger; not 4096 x 4096 or 1024 x 4096), with 64 rows per block up to M = 64, else 128."""
     for m, n, k, taken in ((64, 14336, 4096, 1), (63, 14336, 4096, 0), (2048, 4096, 14336, 1), (64, 28672, 8192, 1),
                            (300, 4096, 8192, 1), (300, 4096, 4096, 0), (1024, 1024, 4096, 0), (64, 8192, 4096, 1)):
-        assert emu.hf_w4_emu_wgmma_rule(m, n, k) == taken, (m, n, k)
+        assert cuda_emu.hf_w4_emu_wgmma_rule(m, n, k) == taken, (m, n, k)
     for m, n, rows in ((1, 64, 64), (64, 64, 64), (65, 64, 128), (129, 28672, 128), (2048, 4096, 128)):
-        assert _plan(emu, m, n, 4096, SMS, wgmma=1)["mt"] * 16 == rows, (m, n)
+        assert _plan(cuda_emu, m, n, 4096, SMS, wgmma=1)["mt"] * 16 == rows, (m, n)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["warps", "wide"])
-def test_forced_splits_emulated(emu, wide):
+def test_forced_splits_emulated(cuda_emu, wide):
     """A forced number of K splits (HF_W4_CUDA_SPLITS on a GPU) is the plan's within 1 .. K / 128 (K = 1024: up to 8;
     3 -> steps of 22, still 3 splits); the result keeps the budget and the split-K counters end at zero."""
     case = next(c for c in LAYOUTS if c[1] == "gptq")
@@ -251,8 +232,8 @@ def test_forced_splits_emulated(emu, wide):
     wk = kernel_dtype_weight(layer.qw, torch.bfloat16)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     for forced, planned in ((1, 1), (3, 3), (7, 7), (8, 8), (50, 8)):
-        assert _plan(emu, 5, n, k, SMS, wide=int(wide), splits=forced)["splits"] == planned, forced
-        y, splits = layer.gemm(emu, x, torch.bfloat16, wide=wide, splits=forced)
+        assert _plan(cuda_emu, 5, n, k, SMS, wide=int(wide), splits=forced)["splits"] == planned, forced
+        y, splits = layer.gemm(cuda_emu, x, torch.bfloat16, wide=wide, splits=forced)
         assert splits == planned
         check_kernel_output(y, x, wk, 1.0, None, U[torch.bfloat16], False, f"wide={wide} splits={forced}")
 
@@ -263,37 +244,40 @@ def _plan(lib, m, n, k, sms, mt=0, wide=-1, splits=0, wgmma=0):
     return dict(zip(("mt", "mr", "mblocks", "ntiles", "splits", "wide"), out))
 
 
-def test_plan_rules_emulated(emu):
+def test_plan_rules_emulated(cuda_emu):
     """The tiling rules on a small GPU (4 SMs; this stand-in's occupancy: 3 two-tile blocks per SM, as on an H100):
     the wide kernel at 9-64 rows where there are three column tiles per SM (one m16 tile up to 16 rows, two above),
     two tiles at 9-16 rows where one wave of them holds every column tile, forced choices kept; and a call the rule
     sends to the wide kernel gives the bits of the forced wide kernel."""
     wide_n, narrow_n = 64 * 12, 64 * 11
-    assert _plan(emu, 16, wide_n, 256, 4) | {"splits": 0} == dict(mt=1, mr=16, mblocks=1, ntiles=12, splits=0, wide=1)
-    assert _plan(emu, 40, wide_n, 256, 4)["mt"] == 2 and _plan(emu, 40, wide_n, 256, 4)["wide"] == 1
+    assert _plan(cuda_emu, 16, wide_n, 256, 4) | {"splits": 0} == dict(mt=1, mr=16, mblocks=1, ntiles=12, splits=0,
+                                                                       wide=1)
+    assert _plan(cuda_emu, 40, wide_n, 256, 4)["mt"] == 2 and _plan(cuda_emu, 40, wide_n, 256, 4)["wide"] == 1
     for m in (8, 65):
-        assert _plan(emu, m, wide_n, 256, 4)["wide"] == 0, m
-    assert _plan(emu, 16, narrow_n, 256, 4)["wide"] == 0 and _plan(emu, 16, narrow_n, 256, 4)["mt"] == 2  # 11 <= 12
-    assert _plan(emu, 16, 64 * 13, 256, 4, wide=0)["mt"] == 1  # 13 tiles: a second wave of two-tile blocks
-    assert _plan(emu, 16, wide_n, 256, 4, mt=2)["wide"] == 0 and _plan(emu, 16, wide_n, 256, 4, wide=0)["wide"] == 0
+        assert _plan(cuda_emu, m, wide_n, 256, 4)["wide"] == 0, m
+    narrow = _plan(cuda_emu, 16, narrow_n, 256, 4)
+    assert narrow["wide"] == 0 and narrow["mt"] == 2  # 11 <= 12
+    assert _plan(cuda_emu, 16, 64 * 13, 256, 4, wide=0)["mt"] == 1  # 13 tiles: a second wave of two-tile blocks
+    assert _plan(cuda_emu, 16, wide_n, 256, 4, mt=2)["wide"] == 0
+    assert _plan(cuda_emu, 16, wide_n, 256, 4, wide=0)["wide"] == 0
     case = next(c for c in LAYOUTS if c[1] == "gptq")
     layer = Layer(case, 128, wide_n, 256, seed=3)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    y, _ = layer.gemm(emu, x, torch.bfloat16, wide=None, sms=4)
+    y, _ = layer.gemm(cuda_emu, x, torch.bfloat16, wide=None, sms=4)
     check_kernel_output(y, x, kernel_dtype_weight(layer.qw, torch.bfloat16), 1.0, None, U[torch.bfloat16], False,
                         "the plan's rule at M=16")
-    assert torch.equal(y, layer.gemm(emu, x, torch.bfloat16, mt=1, wide=True, sms=4)[0])
+    assert torch.equal(y, layer.gemm(cuda_emu, x, torch.bfloat16, mt=1, wide=True, sms=4)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case,gs", LAYOUT_GROUPS[::3] + [c for c in LAYOUT_GROUPS if "nvfp4" in c[0][1]],
                          ids=lambda v: str(v[0]) if isinstance(v, tuple) else str(v))
-def test_dequantize_kernel_emulated(emu, case, gs, dtype):
+def test_dequantize_kernel_emulated(cuda_emu, case, gs, dtype):
     """The large-M path's dense weight is the kernels' weight (NVFP4 with its global scale) bit for bit."""
     n, k = 136, 576 if gs != 128 else 640
     layer = Layer(case, gs, n, k, seed=3)
     w = torch.empty(n, k, dtype=dtype)
-    assert emu.hf_w4_emu_dequant(_ptr(layer.q), _ptr(layer.scales(dtype)), _ptr(layer.z), _ptr(w), n, k,
+    assert cuda_emu.hf_w4_emu_dequant(_ptr(layer.q), _ptr(layer.scales(dtype)), _ptr(layer.z), _ptr(w), n, k,
                                  layer.kern.group_size, layer.kern.global_scale, layer.kind,
                                  int(dtype == torch.bfloat16)) == 0
     want = kernel_dtype_weight(layer.qw, dtype)
@@ -303,7 +287,7 @@ def test_dequantize_kernel_emulated(emu, case, gs, dtype):
 
 
 @pytest.mark.parametrize("name,gs,k", [("gptq_actorder_asym", 16, 592), ("ct_nvfp4", 16, 592), ("gptq_sym", 48, 576)])
-def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name, gs, k):
+def test_copies_landing_at_issue_give_the_same_bits_emulated(cuda_emu, name, gs, k):
     """Every kernel with its cp.async copies landing as early as the GPU may deliver them (when issued) gives the bits
     of the default run, where they land as late as it may (at the wait): no thread reads shared memory that another
     thread's copy may refill before the kernel has ordered that read before the refill (per-warp rings, the wide and
@@ -316,12 +300,12 @@ def test_copies_landing_at_issue_give_the_same_bits_emulated(emu, name, gs, k):
     for run in runs:
         m = run.pop("m")
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        y, splits = layer.gemm(emu, x, torch.bfloat16, bias, **run)
-        emu.hf_w4_emu_copies_at_issue(1)
+        y, splits = layer.gemm(cuda_emu, x, torch.bfloat16, bias, **run)
+        cuda_emu.hf_w4_emu_copies_at_issue(1)
         try:
-            early, _ = layer.gemm(emu, x, torch.bfloat16, bias, **run)
+            early, _ = layer.gemm(cuda_emu, x, torch.bfloat16, bias, **run)
         finally:
-            emu.hf_w4_emu_copies_at_issue(0)
+            cuda_emu.hf_w4_emu_copies_at_issue(0)
         where = f"{name} M={m} {run} splits={splits}"
         check_kernel_output(y, x, wk, g, bias, U[torch.bfloat16], False, where)
         assert torch.equal(y, early), f"{where}: other bits with the copies landing when issued"
