@@ -106,6 +106,60 @@ def cuda_emu(cxx_library):
     return lib
 
 
+@pytest.fixture
+def cuda_ops_on_cpu(cuda_emu):
+    """For one test, the CUDA ops cuda_w4a16_gemm / cuda_w4a16_dequant on CPU tensors: CPU implementations that check
+    the buffers as the CUDA glue does and run the emulated kernels, planned for an H100 (132 SMs, the wgmma kernel
+    where its rule takes it)."""
+    lib = torch.library.Library("hf_w4", "IMPL")
+
+    def gemm(x, qpack, scales, zeros, bias, n, group_size, weight_type, global_scale=1.0):
+        m, k = x.shape
+        kind = _cuda_layout_kind(qpack, scales, zeros, n, k, group_size, weight_type, x.dtype)
+        x = x.contiguous()
+        bias = None if bias is None else bias.to(x.dtype).contiguous()
+        y = torch.empty(m, n, dtype=x.dtype)
+        if m:
+            splits, rows = ctypes.c_int(0), ctypes.c_int(0)
+            rc = cuda_emu.hf_w4_emu_gemm(
+                x.data_ptr(), qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
+                None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, group_size, kind,
+                int(x.dtype == torch.bfloat16), global_scale, 132, 0, -1, 0,
+                cuda_emu.hf_w4_emu_wgmma_rule(m, n, k), 0, ctypes.byref(splits), ctypes.byref(rows))
+            assert rc == 0, f"emulated cuda_w4a16_gemm M={m} N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
+        return y
+
+    def dequant(qpack, scales, zeros, n, k, group_size, weight_type, global_scale, dtype):
+        kind = _cuda_layout_kind(qpack, scales, zeros, n, k, group_size, weight_type, dtype)
+        w = torch.empty(n, k, dtype=dtype)
+        rc = cuda_emu.hf_w4_emu_dequant(qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
+                                        w.data_ptr(), n, k, group_size, global_scale, kind,
+                                        int(dtype == torch.bfloat16))
+        assert rc == 0, f"emulated cuda_w4a16_dequant N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
+        return w
+
+    lib.impl("cuda_w4a16_gemm", gemm, "CPU")
+    lib.impl("cuda_w4a16_dequant", dequant, "CPU")
+    yield
+    lib._destroy()
+
+
+def _cuda_layout_kind(qpack, scales, zeros, n, k, group_size, weight_type, act) -> int:
+    """The CUDA kernel layout's buffers checked as the glue checks them (the emulated kernels read them through raw
+    pointers); returns the kernels' weight kind (0 int4 symmetric, 1 asymmetric, 2 NVFP4)."""
+    npad = (n + 63) // 64 * 64
+    assert qpack.dtype == torch.int32 and qpack.is_contiguous() and qpack.numel() == k * npad // 8
+    if weight_type == "nvfp4":
+        assert scales.dtype == torch.uint8 and scales.is_contiguous() and scales.numel() == k // 16 * npad
+        return 2
+    assert weight_type == "int4" and k % group_size == 0 and group_size % 16 == 0
+    assert scales.dtype == act and scales.is_contiguous() and scales.numel() == k // group_size * npad
+    if zeros is None or not zeros.numel():
+        return 0
+    assert zeros.dtype == torch.uint8 and zeros.is_contiguous() and zeros.numel() == k // group_size * npad
+    return 1
+
+
 def rel_err(a, b) -> float:
     """max |a - b| / max |b|, in fp32."""
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

@@ -171,6 +171,22 @@ def test_wgmma_kernel_group_sizes_emulated(cuda_emu, name, gs):
         check_kernel_output(y, x, wk, g, bias, U[torch.float16], False, f"{name} g{gs} wgmma M={m} splits={planned}")
 
 
+@pytest.mark.parametrize("name", ["gptq_sym", "ct_asym", "modelopt_nvfp4"])
+def test_opcheck_emulated(cuda_ops_on_cpu, name):
+    """torch.library.opcheck of cuda_w4a16_gemm and cuda_w4a16_dequant, run by the emulated kernels on CPU tensors:
+    the schemas, the fake implementations torch.compile traces with, and the registered input gradient."""
+    layer = Layer(next(c for c in LAYOUTS if c[0] == name), 64, 192, 256, seed=5)
+    gs, wt, g = layer.kern.group_size, layer.qw.weight_type, layer.kern.global_scale
+    for dtype in (torch.float16, torch.bfloat16):
+        s = layer.scales(dtype)
+        x = torch.randn(5, 256).to(dtype)
+        bias = torch.randn(192).to(dtype)
+        torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm, (x, layer.q, s, layer.z, None, 192, gs, wt, g))
+        torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_gemm,  # the gradient of x and of the bias
+                              (x.requires_grad_(), layer.q, s, layer.z, bias.requires_grad_(), 192, gs, wt, g))
+        torch.library.opcheck(torch.ops.hf_w4.cuda_w4a16_dequant, (layer.q, s, layer.z, 192, 256, gs, wt, g, dtype))
+
+
 @pytest.fixture(scope="module")
 def faults(cxx_library):
     flags = ["-std=c++20", "-O1", "-Wall", "-Werror", "-fno-extern-tls-init", "-I", CUDA_EMU, "-I",

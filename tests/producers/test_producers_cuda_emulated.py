@@ -1,6 +1,6 @@
 """The CUDA kernel class end to end without a GPU: the checkpoints the producers wrote load through from_pretrained
 onto cuda_w4a16 (HF_W4_KERNEL) with its two ops run by the CUDA kernels themselves, built for the CPU against the
-stand-in of tests/kernels/cuda_emu and planned as on an H100. This covers what the kernel tests leave out: the
+stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_ops_on_cpu). This covers what the kernel tests leave out: the
 layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch to dequantize + F.linear at
 ``large_m``), the logits against the producer's own, ``save_pretrained`` from the kernel layout, ``generate``.
 
@@ -9,8 +9,6 @@ is fp32. Measured cosines to it: fp16 0.99998-0.999999; bf16 0.99988-0.99994 (th
 0.99994). A wrong nibble order, zero point, scale or column permutation costs tens of percent (the act-order test
 without the permutation: cosine -0.05).
 """
-import ctypes
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -23,67 +21,19 @@ from hf_w4.kernels.base import OK
 from test_producers import DATA, DECODER_LINEARS, EXPECT
 
 COSINE_MIN = {torch.float16: 0.9999, torch.bfloat16: 0.9997}
-SMS = 132  # an H100's: the plans, split-K included, of the GPU most users of these kernels have
 W4A16 = sorted(name for name, e in EXPECT.items()
                if e["weight_type"] in ("int4", "nvfp4") and e.get("act", "none") == "none")
 
 
 @pytest.fixture
-def cuda_kernel_on_cpu(cuda_emu, monkeypatch):
-    """cuda_w4a16 takes CPU layers, and its ops run the emulated kernels on CPU tensors (for this test only)."""
-    lib = torch.library.Library("hf_w4", "IMPL")
-
-    def gemm(x, qpack, scales, zeros, bias, n, group_size, weight_type, global_scale=1.0):
-        m, k = x.shape
-        kind = _check_layout(qpack, scales, zeros, n, k, group_size, weight_type, x.dtype)
-        x = x.contiguous()
-        bias = None if bias is None else bias.to(x.dtype).contiguous()
-        y = torch.empty(m, n, dtype=x.dtype)
-        if m:
-            splits, rows = ctypes.c_int(0), ctypes.c_int(0)
-            npad = (n + 63) // 64 * 64
-            rc = cuda_emu.hf_w4_emu_gemm(
-                x.data_ptr(), qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
-                None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, group_size, kind,
-                int(x.dtype == torch.bfloat16), global_scale, SMS, 0, -1, 0,
-                cuda_emu.hf_w4_emu_wgmma_rule(m, npad, k), 0, ctypes.byref(splits), ctypes.byref(rows))
-            assert rc == 0, f"emulated cuda_w4a16_gemm M={m} N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
-        return y
-
-    def dequant(qpack, scales, zeros, n, k, group_size, weight_type, global_scale, dtype):
-        kind = _check_layout(qpack, scales, zeros, n, k, group_size, weight_type, dtype)
-        w = torch.empty(n, k, dtype=dtype)
-        rc = cuda_emu.hf_w4_emu_dequant(qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
-                                        w.data_ptr(), n, k, group_size, global_scale, kind,
-                                        int(dtype == torch.bfloat16))
-        assert rc == 0, f"emulated cuda_w4a16_dequant N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
-        return w
-
-    lib.impl("cuda_w4a16_gemm", gemm, "CPU")
-    lib.impl("cuda_w4a16_dequant", dequant, "CPU")
+def cuda_kernel_on_cpu(cuda_ops_on_cpu, monkeypatch):
+    """cuda_w4a16 takes CPU layers (its ops run the emulated kernels) and every layer that it can take."""
     monkeypatch.setattr(cw.CudaW4A16Kernel, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(cw.CudaW4A16Kernel, "is_supported", classmethod(lambda cls: OK))
     monkeypatch.setenv("HF_W4_KERNEL", "cuda_w4a16")
     hf_w4.install()
     yield
     hf_w4.uninstall()
-    lib._destroy()
-
-
-def _check_layout(qpack, scales, zeros, n, k, group_size, weight_type, act):
-    """The kernel layout's buffers as the CUDA glue checks them (the emulated kernels read them through raw
-    pointers); returns the kernel's weight kind (0 int4 symmetric, 1 asymmetric, 2 NVFP4)."""
-    npad = (n + 63) // 64 * 64
-    assert qpack.dtype == torch.int32 and qpack.is_contiguous() and qpack.numel() == k * npad // 8
-    if weight_type == "nvfp4":
-        assert scales.dtype == torch.uint8 and scales.is_contiguous() and scales.numel() == k // 16 * npad
-        return 2
-    assert weight_type == "int4" and k % group_size == 0 and group_size % 16 == 0
-    assert scales.dtype == act and scales.is_contiguous() and scales.numel() == k // group_size * npad
-    if zeros is None or not zeros.numel():
-        return 0
-    assert zeros.dtype == torch.uint8 and zeros.is_contiguous() and zeros.numel() == k // group_size * npad
-    return 1
 
 
 def _load(path, dtype):
