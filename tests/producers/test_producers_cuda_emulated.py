@@ -1,8 +1,9 @@
 """The CUDA kernel class end to end without a GPU: the checkpoints the producers wrote load through from_pretrained
-onto cuda_w4a16 (HF_W4_KERNEL) with its two ops run by the CUDA kernels themselves, built for the CPU against the
-stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_ops_on_cpu). This covers what the kernel tests leave out: the
-layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch to dequantize + F.linear at
-``large_m``), the logits against the producer's own, ``save_pretrained`` from the kernel layout, ``generate``.
+onto cuda_w4a16 (HF_W4_KERNEL), its two ops run by the CUDA kernels themselves, built for the CPU against the
+stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_ops_on_cpu). This covers what
+the kernel tests leave out: the layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch
+to dequantize + F.linear at ``large_m``), each kernel inside a model, the logits against the producer's own,
+``save_pretrained`` from the kernel layout, ``generate``.
 
 Budget: the model runs in fp16 / bf16 and the kernels multiply weights rounded to that type, while the reference
 is fp32. Measured cosines to it: fp16 0.99998-0.999999; bf16 0.99988-0.99994 (the CPU path in bf16: 0.99992-
@@ -66,16 +67,22 @@ def test_producer_checkpoint_on_the_cuda_kernel(cuda_kernel_on_cpu, name, dtype,
         assert_same_checkpoint(DATA / name, tmp_path / "re")
 
 
-@pytest.mark.parametrize("large_m", [None, "1"], ids=["fused", "dequantize"])
-def test_act_order_bias_and_large_m_on_the_cuda_kernel(cuda_kernel_on_cpu, monkeypatch, tmp_path, tiny_llama_bias,
-                                                        large_m):
-    """Act-order (the activations permuted to the kernel's column order) with q / k / v biases, through the fused
-    kernel and, with HF_W4_CUDA_LARGE_M=1, through the dequantize kernel + F.linear, against the CPU path."""
+# each kernel of the fused path forced (the glue's settings), and the large-M path from the first row
+KERNELS = {"rule": {}, "wide": {"HF_W4_CUDA_WIDE": "1"}, "four-tiles": {"HF_W4_CUDA_MT": "4"},
+           "wgmma": {"HF_W4_CUDA_WGMMA": "1"},
+           "dequantize": {"HF_W4_CUDA_LARGE_M": "1"}}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_act_order_bias_and_each_kernel_in_the_model(cuda_kernel_on_cpu, monkeypatch, tmp_path, tiny_llama_bias,
+                                                     kernel):
+    """Act-order (the activations permuted to the kernel's column order) with q / k / v biases, through each kernel,
+    against the CPU path; then generate."""
     from hf_w4.tools import writers
     res = writers.write_checkpoint(tiny_llama_bias, str(tmp_path / "ckpt"), "gptq", sym=False, group_size=64,
                                    desc_act=True)
-    if large_m:
-        monkeypatch.setenv("HF_W4_CUDA_LARGE_M", large_m)
+    for var, value in KERNELS[kernel].items():
+        monkeypatch.setenv(var, value)
     model = _load(res.path, torch.bfloat16)
     monkeypatch.delenv("HF_W4_KERNEL")
     cpu = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32).eval()
