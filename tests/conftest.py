@@ -148,6 +148,21 @@ def cuda_ops_on_cpu(cuda_emu):
     lib._destroy()
 
 
+@pytest.fixture
+def cuda_kernel_on_cpu(cuda_ops_on_cpu, monkeypatch):
+    """hf_w4 installed with cuda_w4a16 forced (HF_W4_KERNEL) and taking CPU layers, its ops running the emulated
+    kernels (cuda_ops_on_cpu), for one test."""
+    from hf_w4.kernels import cuda_w4a16
+    from hf_w4.kernels.base import OK
+    monkeypatch.setattr(cuda_w4a16.CudaW4A16Kernel, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cuda_w4a16.CudaW4A16Kernel, "is_supported", classmethod(lambda cls: OK))
+    monkeypatch.setenv("HF_W4_KERNEL", "cuda_w4a16")
+    import hf_w4
+    hf_w4.install()
+    yield
+    hf_w4.uninstall()
+
+
 def _cuda_layout_kind(qpack, scales, zeros, n, k, group_size, weight_type, act) -> int:
     """The CUDA kernel layout's buffers checked as the glue checks them (the emulated kernels read them through raw
     pointers); returns the kernels' weight kind (0 int4 symmetric, 1 asymmetric, 2 NVFP4)."""

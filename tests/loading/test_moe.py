@@ -378,6 +378,33 @@ def test_bf16_generate(written, arch, fmt):
     assert torch.equal(got, want), f"{arch} {fmt}: greedy tokens {got.tolist()} vs fused reference {want.tolist()}"
 
 
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("mixtral", "modelopt-nvfp4")])
+def test_experts_on_the_cuda_kernel(written, cuda_kernel_on_cpu, tmp_path, arch, fmt):
+    """Every expert projection on cuda_w4a16 (its kernels emulated on the CPU, tests/conftest.py): the bf16 experts for
+    a given routing within bf16 rounding of the fp32 twin's, as above, generate, and a bit-exact save."""
+    res = written(arch, fmt)
+    model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    kernels = {m.kernel.NAME for e in _experts(model) for m in e.modules() if isinstance(m, QuantLinear)}
+    assert kernels == {"cuda_w4a16"}, kernels
+    twin = res.dense_model().float().eval()
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(16, 128, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(16)])
+    w = torch.softmax(torch.randn(16, 2, generator=g), -1)
+    for i in range(LAYERS):
+        with torch.no_grad():
+            got = model.model.layers[i].mlp.experts(h.bfloat16(), idx, w.bfloat16())
+            want = twin.model.layers[i].mlp.experts(h, idx, w)
+        rel = _rel(got, want)
+        assert rel <= 3e-2, f"{arch} {fmt} layer {i}: experts off the fp32 twin by {rel:.2e} (budget 3e-2)"
+    x = _tokens(1, 6)
+    with torch.no_grad():
+        out = model.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11) and torch.equal(out[:, :6], x)
+    model.save_pretrained(tmp_path / "re")
+    assert_same_checkpoint(res.path, tmp_path / "re")
+
+
 @pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "awq"), ("mixtral", "modelopt-nvfp4")])
 def test_dequantize_then_save_as_dense(written, tmp_path, arch, fmt):
     res = written(arch, fmt)

@@ -1,6 +1,6 @@
 """The CUDA kernel class end to end without a GPU: the checkpoints the producers wrote load through from_pretrained
 onto cuda_w4a16 (HF_W4_KERNEL), its two ops run by the CUDA kernels themselves, built for the CPU against the
-stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_ops_on_cpu). This covers what
+stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_kernel_on_cpu). This covers what
 the kernel tests leave out: the layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch
 to dequantize + F.linear at ``large_m``), each kernel inside a model, the logits against the producer's own,
 ``save_pretrained`` from the kernel layout, ``generate``.
@@ -17,24 +17,11 @@ from transformers import AutoModelForCausalLM
 
 import hf_w4
 from conftest import assert_same_checkpoint
-from hf_w4.kernels import cuda_w4a16 as cw
-from hf_w4.kernels.base import OK
 from test_producers import DATA, DECODER_LINEARS, EXPECT
 
 COSINE_MIN = {torch.float16: 0.9999, torch.bfloat16: 0.9997}
 W4A16 = sorted(name for name, e in EXPECT.items()
                if e["weight_type"] in ("int4", "nvfp4") and e.get("act", "none") == "none")
-
-
-@pytest.fixture
-def cuda_kernel_on_cpu(cuda_ops_on_cpu, monkeypatch):
-    """cuda_w4a16 takes CPU layers (its ops run the emulated kernels) and every layer that it can take."""
-    monkeypatch.setattr(cw.CudaW4A16Kernel, "DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(cw.CudaW4A16Kernel, "is_supported", classmethod(lambda cls: OK))
-    monkeypatch.setenv("HF_W4_KERNEL", "cuda_w4a16")
-    hf_w4.install()
-    yield
-    hf_w4.uninstall()
 
 
 def _load(path, dtype):
