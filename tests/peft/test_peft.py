@@ -288,3 +288,28 @@ def test_peft_without_the_expected_internals_is_left_alone(hf_w4_caplog):
     assert "LoRA on QuantLinear layers is unavailable with peft" in hf_w4_caplog.text
     assert "LoraModel._replace_module" in hf_w4_caplog.text and not getattr(LoraModel, "_hf_w4_patched", False)
     assert LoraModel._create_new_module() is None
+
+
+def test_lora_training_step_on_the_cuda_kernel(written, cuda_kernel_on_cpu, monkeypatch):
+    """LoRA on layers that run cuda_w4a16 (its kernels emulated on the CPU, tests/conftest.py), bf16 base: the loss
+    and the adapter's gradients, which flow back through the op's registered input gradient, agree with the same
+    adapter on the reference kernel."""
+    path = written("gptq", dict(sym=False, group_size=64)).path
+
+    def step(kernel):
+        monkeypatch.setenv("HF_W4_KERNEL", kernel)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        assert {m.kernel.NAME for m in base.modules() if isinstance(m, QuantLinear)} == {kernel}
+        torch.manual_seed(0)
+        model = get_peft_model(base, _lora())
+        loss = model(_tokens(), labels=_tokens()).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+    loss, grads = step("cuda_w4a16")
+    ref_loss, ref_grads = step("torch_reference")
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 3 * 2
+    assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), (loss, ref_loss)
+    for n, g in grads.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_grads[n].flatten(), dim=0).item()
+        assert cos >= 0.999, f"{n}: gradient cosine {cos:.5f} to the reference kernel's"
