@@ -3,7 +3,7 @@ onto cuda_w4a16 (HF_W4_KERNEL), its two ops run by the CUDA kernels themselves, 
 stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_kernel_on_cpu). This covers what
 the kernel tests leave out: the layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch
 to dequantize + F.linear at ``large_m``), each kernel inside a model, the logits against the producer's own,
-``save_pretrained`` from the kernel layout, ``generate``.
+``save_pretrained`` from the kernel layout, ``generate``, ``torch.compile``.
 
 Budget: the model runs in fp16 / bf16 and the kernels multiply weights rounded to that type, while the reference
 is fp32. Measured cosines to it: fp16 0.99998-0.999999; bf16 0.99988-0.99994 (the CPU path in bf16: 0.99992-
@@ -80,3 +80,17 @@ def test_act_order_bias_and_each_kernel_in_the_model(cuda_kernel_on_cpu, monkeyp
     assert cos >= COSINE_MIN[torch.bfloat16], f"cosine {cos:.6f} to the CPU path's logits"
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 16)
+
+
+@pytest.mark.parametrize("name", ["gptqmodel-gptq-asym", "modelopt-w4a16-nvfp4"])
+def test_torch_compile_fullgraph_on_the_cuda_kernel(cuda_kernel_on_cpu, name):
+    """The layer's forward on cuda_w4a16 compiles into one graph (the ops' fake implementations) and gives eager's
+    bits, through the fused and the dequantize path."""
+    model = _load(DATA / name, torch.bfloat16)
+    q = model.model.layers[0].mlp.up_proj
+    torch._dynamo.reset()
+    compiled = torch.compile(q, fullgraph=True)
+    with torch.no_grad():
+        for m in (3, q.kernel.large_m):
+            h = torch.randn(m, q.in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
+            assert torch.equal(compiled(h), q(h)), m
