@@ -122,14 +122,14 @@ def cuda_ops_on_cpu(cuda_emu):
         y = torch.empty(m, n, dtype=x.dtype)
         if m:
             mt, wide = int(os.environ.get("HF_W4_CUDA_MT", 0)), int(os.environ.get("HF_W4_CUDA_WIDE", -1))
-            wgmma = int(os.environ.get("HF_W4_CUDA_WGMMA", -1))
+            splits, wgmma = int(os.environ.get("HF_W4_CUDA_SPLITS", 0)), int(os.environ.get("HF_W4_CUDA_WGMMA", -1))
             wgmma = wgmma > 0 or (wgmma < 0 and not mt and wide < 0 and cuda_emu.hf_w4_emu_wgmma_rule(m, n, k))
-            splits, rows = ctypes.c_int(0), ctypes.c_int(0)
+            planned, rows = ctypes.c_int(0), ctypes.c_int(0)
             rc = cuda_emu.hf_w4_emu_gemm(
                 x.data_ptr(), qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
                 None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, group_size, kind,
-                int(x.dtype == torch.bfloat16), global_scale, 132, mt, wide, int(os.environ.get("HF_W4_CUDA_SPLITS", 0)),
-                int(wgmma), 0, ctypes.byref(splits), ctypes.byref(rows))
+                int(x.dtype == torch.bfloat16), global_scale, 132, mt, wide, splits, int(wgmma), 0,
+                ctypes.byref(planned), ctypes.byref(rows))
             assert rc == 0, f"emulated cuda_w4a16_gemm M={m} N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
         return y
 

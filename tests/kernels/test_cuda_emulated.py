@@ -191,7 +191,8 @@ def test_opcheck_emulated(cuda_ops_on_cpu, name):
 def faults(cxx_library):
     flags = ["-std=c++20", "-O1", "-Wall", "-Werror", "-fno-extern-tls-init", "-I", CUDA_EMU, "-I",
              os.path.join(REPO, "csrc", "cpu")]
-    lib = cxx_library(os.path.join(CUDA_EMU, "emu_faults.cpp"), flags, "g++ not found: the CUDA stand-in cannot be built")
+    lib = cxx_library(os.path.join(CUDA_EMU, "emu_faults.cpp"), flags,
+                      "g++ not found: the CUDA stand-in cannot be built")
     lib.hf_w4_emu_fault_error.restype = ctypes.c_char_p
     return lib
 
