@@ -3,7 +3,7 @@ onto cuda_w4a16 (HF_W4_KERNEL), its two ops run by the CUDA kernels themselves, 
 stand-in of tests/kernels/cuda_emu and planned as on an H100 (tests/conftest.py, cuda_kernel_on_cpu). This covers what
 the kernel tests leave out: the layer's repack of producer bytes, ``apply`` (act-order permutation, bias, the switch
 to dequantize + F.linear at ``large_m``), each kernel inside a model, the logits against the producer's own,
-``save_pretrained`` from the kernel layout, ``generate``, ``torch.compile``.
+``save_pretrained`` from the kernel layout, ``generate``, ``torch.compile``, fp32 inputs to a half-precision model.
 
 Budget: the model runs in fp16 / bf16 and the kernels multiply weights rounded to that type, while the reference
 is fp32. Measured cosines to it: fp16 0.99998-0.999999; bf16 0.99988-0.99994 (the CPU path in bf16: 0.99992-
@@ -94,3 +94,19 @@ def test_torch_compile_fullgraph_on_the_cuda_kernel(cuda_kernel_on_cpu, name):
         for m in (3, q.kernel.large_m):
             h = torch.randn(m, q.in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
             assert torch.equal(compiled(h), q(h)), m
+
+
+@pytest.mark.parametrize("name", ["gptqmodel-gptq-asym", "llmcompressor-nvfp4a16"])
+def test_fp32_input_to_a_half_precision_layer_on_the_cuda_kernel(cuda_kernel_on_cpu, name):
+    """An fp32 input to a layer of a bf16 model (a model that upcasts somewhere): the weight dequantized to bf16 by the
+    dequantize kernel, an fp32 product, an fp32 output; off the exact weight's product by at most the bf16 rounding of
+    the weight (2^-8 relative) plus fp32 noise."""
+    model = _load(DATA / name, torch.bfloat16)
+    q = model.model.layers[0].self_attn.o_proj
+    h = torch.randn(5, q.in_features, generator=torch.Generator().manual_seed(6))
+    w = q.dequantize_weight()
+    with torch.no_grad():
+        y = q(h)
+    assert y.dtype == torch.float32
+    bound = 2.0 ** -8 * (h.abs() @ w.abs().T) + 1e-5 * (h @ w.T).abs().max()
+    assert ((y - h @ w.T).abs() <= bound).all()
