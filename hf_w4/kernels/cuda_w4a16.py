@@ -9,8 +9,8 @@ permutation of the activations. ``apply`` runs, for up to ``HF_W4_CUDA_LARGE_M``
 where the fused path is the sm_90a wgmma kernel), the fused kernel (weights streamed once, dequantized in registers
 with magic-number fp16 / bf16 conversions, fp32 accumulators, split-K where N is small) and above that dequantizes
 the layer into a transient fp16 / bf16 weight for the dense GEMM (cuBLAS). NVFP4's global scale is applied in fp32
-before the output cast. fp32 activations (not a declared dtype; only reached when forced) run through a bf16
-dequantization.
+before the output cast. fp32 activations (not a declared dtype: fp32 models take another kernel; an fp32 input
+reaches a layer of a half-precision model that upcasts) run through a bf16 dequantization and an fp32 product.
 """
 from __future__ import annotations
 
