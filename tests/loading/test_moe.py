@@ -346,18 +346,9 @@ def test_dense_experts_load_per_expert(written, arch, fmt, ignore):
 # 4. generate and dequantize
 
 
-@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("mixtral", "modelopt-nvfp4")])
-def test_bf16_generate(written, arch, fmt):
-    res = written(arch, fmt)
-    x = _tokens(1, 6)
-    gen = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
-    bf16 = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
-    with torch.no_grad():
-        out = bf16.generate(x, **gen)
-    assert out.shape == (1, 6 + 5) and torch.equal(out[:, :6], x)
-    # the bf16 experts for a given routing, within bf16 rounding of the dense twin's (whole-model logits are not
-    # compared in bf16: at these tiny sizes a near-tie in a router (probabilities 0.2041 / 0.2032) flips an expert
-    # choice for some token, which is bf16 MoE routing, not the kernels)
+def _assert_bf16_experts_match_twin(bf16, res, what):
+    """Each layer's bf16 experts for a given routing (16 tokens, 2 experts each) within bf16 rounding (3e-2 of the
+    output's scale) of the fp32 dense twin's experts."""
     twin = res.dense_model().float().eval()
     g = torch.Generator().manual_seed(5)
     h = torch.randn(16, 128, generator=g)
@@ -369,7 +360,21 @@ def test_bf16_generate(written, arch, fmt):
             want = twin.model.layers[i].mlp.experts(h, idx, w)
         rel = _rel(got, want)
         assert got.dtype == torch.bfloat16 and rel <= 3e-2, \
-            f"{arch} {fmt} layer {i}: bf16 experts off the fp32 twin by {rel:.2e} (budget 3e-2, bf16 rounding)"
+            f"{what} layer {i}: bf16 experts off the fp32 twin by {rel:.2e} (budget 3e-2, bf16 rounding)"
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "gptq"), ("mixtral", "modelopt-nvfp4")])
+def test_bf16_generate(written, arch, fmt):
+    res = written(arch, fmt)
+    x = _tokens(1, 6)
+    gen = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    bf16 = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = bf16.generate(x, **gen)
+    assert out.shape == (1, 6 + 5) and torch.equal(out[:, :6], x)
+    # whole-model logits are not compared in bf16: at these tiny sizes a near-tie in a router (probabilities 0.2041 /
+    # 0.2032) flips an expert choice for some token, which is bf16 MoE routing, not the kernels
+    _assert_bf16_experts_match_twin(bf16, res, f"{arch} {fmt}")
     # greedy in fp32: the same tokens as transformers' fused experts with the same dense weights
     fp32 = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32)
     with torch.no_grad():
@@ -386,17 +391,7 @@ def test_experts_on_the_cuda_kernel(written, cuda_kernel_on_cpu, tmp_path, arch,
     model = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16)
     kernels = {m.kernel.NAME for e in _experts(model) for m in e.modules() if isinstance(m, QuantLinear)}
     assert kernels == {"cuda_w4a16"}, kernels
-    twin = res.dense_model().float().eval()
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(16, 128, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(16)])
-    w = torch.softmax(torch.randn(16, 2, generator=g), -1)
-    for i in range(LAYERS):
-        with torch.no_grad():
-            got = model.model.layers[i].mlp.experts(h.bfloat16(), idx, w.bfloat16())
-            want = twin.model.layers[i].mlp.experts(h, idx, w)
-        rel = _rel(got, want)
-        assert rel <= 3e-2, f"{arch} {fmt} layer {i}: experts off the fp32 twin by {rel:.2e} (budget 3e-2)"
+    _assert_bf16_experts_match_twin(model, res, f"{arch} {fmt} on cuda_w4a16")
     x = _tokens(1, 6)
     with torch.no_grad():
         out = model.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
