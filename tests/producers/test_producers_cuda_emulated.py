@@ -64,7 +64,7 @@ KERNELS = {"rule": {}, "wide": {"HF_W4_CUDA_WIDE": "1"}, "four-tiles": {"HF_W4_C
 def test_act_order_bias_and_each_kernel_in_the_model(cuda_kernel_on_cpu, monkeypatch, tmp_path, tiny_llama_bias,
                                                      kernel):
     """Act-order (the activations permuted to the kernel's column order) with q / k / v biases, through each kernel,
-    against the CPU path; then generate."""
+    against the CPU path; then generate, and save bit-exact."""
     from hf_w4.tools import writers
     res = writers.write_checkpoint(tiny_llama_bias, str(tmp_path / "ckpt"), "gptq", sym=False, group_size=64,
                                    desc_act=True)
@@ -80,6 +80,9 @@ def test_act_order_bias_and_each_kernel_in_the_model(cuda_kernel_on_cpu, monkeyp
     assert cos >= COSINE_MIN[torch.bfloat16], f"cosine {cos:.6f} to the CPU path's logits"
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 16)
+    if kernel == "rule":  # the codes come back in the checkpoint's column order
+        model.save_pretrained(tmp_path / "re")
+        assert_same_checkpoint(res.path, tmp_path / "re")
 
 
 @pytest.mark.parametrize("name", ["gptqmodel-gptq-asym", "modelopt-w4a16-nvfp4"])
