@@ -52,7 +52,8 @@ stage environment 20 bash -c 'nvidia-smi -L; nvcc --version | tail -n 2; gcc --v
   python -c "import sys, torch, transformers; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__,
   \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); print(torch.cuda.get_device_name(0),
   torch.cuda.get_device_capability(0))"'
-stage jit-build 150 python -c '
+# JIT build and load of csrc/cuda from the tree on PYTHONPATH (this one, or the baseline's), timed
+JIT_LOAD='
 import time
 from hf_w4 import _ext
 t = time.time()
@@ -61,22 +62,17 @@ print(f"JIT build + load of csrc/cuda: {time.time() - t:.1f}s in {_ext.cuda_buil
 from hf_w4.kernels.cuda_w4a16 import CudaW4A16Kernel
 print("cuda_w4a16.is_supported():", CudaW4A16Kernel.is_supported())
 raise SystemExit(0 if ok else 1)'
+stage jit-build 150 python -c "$JIT_LOAD"
 # The baseline's library (HF_W4_GPU_BASELINE) builds in the background from here, on a few of the CPU cores the tests
 # leave idle, instead of adding its minute or two of compiling to the run; its benchmark waits for it
 BASE_BUILD=
 if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
   BASE=$(cd "$HF_W4_GPU_BASELINE" && pwd)
   BASE_ENV=(env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline)
-fi
-if [ -n "${HF_W4_GPU_BASELINE:-}" ] && selected baseline-benchmark; then
-  "${BASE_ENV[@]}" timeout -k 10 400 python -c '
-import time
-from hf_w4 import _ext
-t = time.time()
-ok = _ext.load_cuda()
-print(f"baseline JIT build + load: {time.time() - t:.1f}s", "ok" if ok else _ext.cuda_load_error())
-raise SystemExit(0 if ok else 1)' > /tmp/hf_w4_baseline_build.log 2>&1 &
-  BASE_BUILD=$!
+  if selected baseline-benchmark; then
+    "${BASE_ENV[@]}" timeout -k 10 400 python -c "$JIT_LOAD" > /tmp/hf_w4_baseline_build.log 2>&1 &
+    BASE_BUILD=$!
+  fi
 fi
 stage host-arithmetic 30 python -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_cuda_w4a16.py -k "not nvcc"
 stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_kernels.py -k "not wgmma"
