@@ -85,6 +85,7 @@ def cxx_library(tmp_path_factory):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_EMU = os.path.join(REPO, "tests", "kernels", "cuda_emu")
+H100_SMS = 132  # the emulated kernels are planned for an H100's SMs: the split-K plans of the GPU
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +110,7 @@ def cuda_emu(cxx_library):
 @pytest.fixture
 def cuda_ops_on_cpu(cuda_emu):
     """For one test, the CUDA ops cuda_w4a16_gemm / cuda_w4a16_dequant on CPU tensors: CPU implementations that check
-    the buffers as the CUDA glue does and run the emulated kernels, planned for an H100 (132 SMs) as the glue plans:
+    the buffers as the CUDA glue does and run the emulated kernels, planned for an H100 (H100_SMS) as the glue plans:
     the settings HF_W4_CUDA_MT / _WIDE / _SPLITS / _WGMMA, else the rules (the wgmma kernel where its rule takes it
     and no mma.sync tiling is forced)."""
     lib = torch.library.Library("hf_w4", "IMPL")
@@ -128,7 +129,7 @@ def cuda_ops_on_cpu(cuda_emu):
             rc = cuda_emu.hf_w4_emu_gemm(
                 x.data_ptr(), qpack.data_ptr(), scales.data_ptr(), zeros.data_ptr() if kind == 1 else None,
                 None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, group_size, kind,
-                int(x.dtype == torch.bfloat16), global_scale, 132, mt, wide, splits, int(wgmma), 0,
+                int(x.dtype == torch.bfloat16), global_scale, H100_SMS, mt, wide, splits, int(wgmma), 0,
                 ctypes.byref(planned), ctypes.byref(rows))
             assert rc == 0, f"emulated cuda_w4a16_gemm M={m} N={n} K={k}: {rc} {cuda_emu.hf_w4_emu_error().decode()}"
         return y
@@ -177,6 +178,11 @@ def _cuda_layout_kind(qpack, scales, zeros, n, k, group_size, weight_type, act) 
         return 0
     assert zeros.dtype == torch.uint8 and zeros.is_contiguous() and zeros.numel() == k // group_size * npad
     return 1
+
+
+def cosine(a, b) -> float:
+    """Cosine similarity of two tensors flattened, in fp32."""
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
 def rel_err(a, b) -> float:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_w4  # noqa: E402
-from conftest import assert_same_checkpoint, capture_cuda_graph  # noqa: E402
+from conftest import assert_same_checkpoint, capture_cuda_graph, cosine  # noqa: E402
 from hf_w4.nn import QuantLinear  # noqa: E402
 
 FORMATS = [("gptq", dict(sym=True)), ("gptq", dict(sym=False, group_size=64, desc_act=True)),
@@ -30,10 +30,6 @@ def _ids(device):
     return torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
 
 
-def _cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
-
-
 @pytest.mark.parametrize("fmt,opts", FORMATS, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_from_pretrained_cuda_matches_cpu_path(written, fmt, opts, dtype, tmp_path):
@@ -46,7 +42,7 @@ def test_from_pretrained_cuda_matches_cpu_path(written, fmt, opts, dtype, tmp_pa
     with torch.no_grad():
         y = model(_ids("cuda")).logits
         ref = cpu(_ids("cpu")).logits
-    cos = _cos(y.cpu(), ref)
+    cos = cosine(y.cpu(), ref)
     assert cos >= 0.9999, f"{fmt} {opts} {dtype}: cosine {cos:.6f} to the CPU path's logits"
     if dtype == torch.bfloat16:  # as on disk: every tensor comes back bit-exact after the GPU repack
         model.save_pretrained(tmp_path / "re")
@@ -75,7 +71,7 @@ def test_cuda_graph_of_the_model(gptq_cuda):
         static.copy_(other)
         graph.replay()
         torch.cuda.synchronize()
-        assert _cos(out, want) >= 0.9999
+        assert cosine(out, want) >= 0.9999
 
 
 def test_compile_model(gptq_cuda):
@@ -83,7 +79,7 @@ def test_compile_model(gptq_cuda):
     with torch.no_grad():
         eager = gptq_cuda(ids, use_cache=False).logits
         compiled = torch.compile(gptq_cuda)
-        assert _cos(compiled(ids, use_cache=False).logits, eager) >= 0.9999
+        assert cosine(compiled(ids, use_cache=False).logits, eager) >= 0.9999
 
 
 def test_reference_kernel_runs_on_cuda(written, monkeypatch):
@@ -94,7 +90,7 @@ def test_reference_kernel_runs_on_cuda(written, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.bfloat16, device_map="cuda")
     assert all(m.kernel.NAME == "torch_reference" for m in ref.modules() if isinstance(m, QuantLinear))
     with torch.no_grad():
-        assert _cos(model(_ids("cuda")).logits, ref(_ids("cuda")).logits) >= 0.9999
+        assert cosine(model(_ids("cuda")).logits, ref(_ids("cuda")).logits) >= 0.9999
 
 
 def test_cli_eval_on_cuda(tiny, tmp_path, capsys):

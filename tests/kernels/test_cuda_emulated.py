@@ -20,13 +20,12 @@ import os
 import pytest
 import torch
 
-from conftest import CUDA_EMU, REPO
+from conftest import CUDA_EMU, H100_SMS as SMS, REPO
 from qweight_cases import GROUPS, LAYOUTS, check_kernel_output, kernel_dtype_weight, make_qweight
 from hf_w4.kernels import cuda_w4a16 as cw
 
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 LAYOUT_GROUPS = [(c, gs) for c in LAYOUTS for gs in (GROUPS if "nvfp4" not in c[1] else [16])]
-SMS = 132  # an H100's SMs: the split-K plans of the GPU
 
 
 def _ptr(t):
@@ -220,9 +219,8 @@ def test_emulation_reports_faults(faults, case, error):
     griddepcontrol.wait in a launch that overlaps the kernel before it, a prefetch of 8 bytes and a wgmma issued on
     bytes a copy has yet to fill come back as errors the tests see (not a crash, not silence); the same kernels without
     the fault come back clean."""
-    lib = faults
-    rc = lib.hf_w4_emu_fault(case)
-    message = lib.hf_w4_emu_fault_error().decode()
+    rc = faults.hf_w4_emu_fault(case)
+    message = faults.hf_w4_emu_fault_error().decode()
     if error is None:
         assert rc == 0 and message == "", message
     else:

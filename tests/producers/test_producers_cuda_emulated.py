@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import hf_w4
-from conftest import assert_same_checkpoint
+from conftest import assert_same_checkpoint, cosine
 from test_producers import DATA, DECODER_LINEARS, EXPECT
 
 COSINE_MIN = {torch.float16: 0.9999, torch.bfloat16: 0.9997}
@@ -32,10 +32,6 @@ def _load(path, dtype):
     return model
 
 
-def _cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", W4A16)
 def test_producer_checkpoint_on_the_cuda_kernel(cuda_kernel_on_cpu, name, dtype, tmp_path):
@@ -45,7 +41,7 @@ def test_producer_checkpoint_on_the_cuda_kernel(cuda_kernel_on_cpu, name, dtype,
     with torch.no_grad():
         out = model(input_ids=ids).logits
     assert torch.isfinite(out).all()
-    cos = _cos(out, ref)
+    cos = cosine(out, ref)
     assert cos >= COSINE_MIN[dtype], f"{name} {dtype}: cosine {cos:.6f} to the producer's logits"
     with safe_open(str(DATA / name / "model.safetensors"), "pt") as f:
         own = f.get_slice("model.embed_tokens.weight").get_dtype()
@@ -76,7 +72,7 @@ def test_act_order_bias_and_each_kernel_in_the_model(cuda_kernel_on_cpu, monkeyp
     assert {m.kernel.NAME for m in cpu.modules() if isinstance(m, hf_w4.QuantLinear)} != {"cuda_w4a16"}
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        cos = _cos(model(ids).logits, cpu(ids).logits)
+        cos = cosine(model(ids).logits, cpu(ids).logits)
     assert cos >= COSINE_MIN[torch.bfloat16], f"cosine {cos:.6f} to the CPU path's logits"
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 16)
