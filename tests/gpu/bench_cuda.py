@@ -16,6 +16,7 @@ rows per block) with the k splits and resident blocks per SM for int4 / NVFP4. T
 wgmma kernel's variants against the main table.
 
     python tests/gpu/bench_cuda.py [--json FILE]        # the table (and its times as JSON)
+    python tests/gpu/bench_cuda.py --quick [--json FILE]  # the table at M = 1, 16, 64, 256, 1024 only
     python tests/gpu/bench_cuda.py --compare BASE NEW   # two JSON files of one run: NEW's time / BASE's per cell
 
 The comparison is how a kernel change is judged: run.sh benchmarks a baseline source tree in the same run (on the
@@ -40,6 +41,9 @@ TARGET_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]   # 
 # and Llama-3 8B's k / v projections (grouped-query attention: N = 1024), the smallest call of a decode step
 SHAPES = [(1024, 4096)] + TARGET_SHAPES
 MS = [1, 4, 16, 64, 256, 512, 1024, 2048]
+# --quick: an M per path (the fused kernel by 8 and by 16 rows, the wgmma kernel, forced at 1024 in "i4 fused", and
+# dequantize + cuBLAS), for timing several baselines of one change in one GPU run
+QUICK_MS = [1, 16, 64, 256, 1024]
 ROUNDS = 7
 L2_BYTES = 50 << 20
 
@@ -252,6 +256,8 @@ def compare(base: dict, new: dict) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the times to this file")
+    ap.add_argument("--quick", action="store_true", help="the main table at M = 1, 16, 64, 256, 1024 only: no "
+                    "torch int4 GEMM, no tilings, no wgmma table")
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="compare two --json files and exit")
     a = ap.parse_args(argv)
     if a.compare:
@@ -289,17 +295,18 @@ def main(argv=None) -> int:
         i4 = packed(n, k, "int4", cq)
         f4 = packed(n, k, "nvfp4", cq)
         i4pack = None
-        try:  # torch's own int4 GEMM (bf16, tinygemm layout) where this build has it on CUDA
-            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-            wq = torch._convert_weight_to_int4pack(codes, 8)
-            sz = torch.rand(k // 128, n, 2, device="cuda").to(torch.bfloat16)
-            i4pack = [(wq.clone(), sz) for _ in range(cq)]
-            torch._weight_int4pack_mm(torch.randn(1, k, device="cuda").bfloat16(), i4pack[0][0], 128, sz)
-        except Exception as e:  # noqa: BLE001 - reported once
-            i4pack = None
-            int4pack_note = int4pack_note or (f"torch._weight_int4pack_mm on CUDA: n/a ({type(e).__name__}: "
-                                              f"{str(e)[:120]})")
-        for m in MS:
+        if not a.quick:  # torch's own int4 GEMM (bf16, tinygemm layout) where this build has it on CUDA
+            try:
+                codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+                wq = torch._convert_weight_to_int4pack(codes, 8)
+                sz = torch.rand(k // 128, n, 2, device="cuda").to(torch.bfloat16)
+                i4pack = [(wq.clone(), sz) for _ in range(cq)]
+                torch._weight_int4pack_mm(torch.randn(1, k, device="cuda").bfloat16(), i4pack[0][0], 128, sz)
+            except Exception as e:  # noqa: BLE001 - reported once
+                i4pack = None
+                int4pack_note = int4pack_note or (f"torch._weight_int4pack_mm on CUDA: n/a ({type(e).__name__}: "
+                                                  f"{str(e)[:120]})")
+        for m in QUICK_MS if a.quick else MS:
             x = {dt: torch.randn(m, k, device="cuda").to(dt) for dt in (torch.float16, torch.bfloat16)}
             calls = 20 if m <= 64 else 5
             t = {}
@@ -348,12 +355,14 @@ def main(argv=None) -> int:
             elif m >= 1024:
                 targets.append((f"{n}x{k} M={m} int4 within 1.15x of dense", worst_i4 >= 1 / 1.15, worst_i4))
                 targets.append((f"{n}x{k} M={m} nvfp4 within 1.15x of dense", worst_f4 >= 1 / 1.15, worst_f4))
-        tilings.append(_tilings(n, k, i4, cq, record["tilings"]))
+        if not a.quick:
+            tilings.append(_tilings(n, k, i4, cq, record["tilings"]))
         dense = i4 = f4 = i4pack = None  # free this shape's weights (rebound, not deleted: closures read them)
         torch.cuda.empty_cache()
-    print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")
-    for line in tilings:
-        print(line)
+    if tilings:
+        print("fused kernel, int4 bf16, microseconds per call by m16 tiles per block (HF_W4_CUDA_MT; * = the rule):")
+        for line in tilings:
+            print(line)
     if int4pack_note:
         print(int4pack_note)
     for err in dict.fromkeys(ERRORS):
@@ -365,6 +374,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(record, f, indent=1)
+    if a.quick:
+        return 1 if ERRORS else 0
     print("fused path with the wgmma kernel off and forced (HF_W4_CUDA_WGMMA = 0 / 1, HF_W4_CUDA_WGMMA_ROWS = rows), "
           "int4 bf16, microseconds per call, rN = the rows per block taken "
           "(dense bf16 / it, dequantize + cuBLAS / it):", flush=True)

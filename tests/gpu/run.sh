@@ -8,7 +8,10 @@
 #   bash tests/gpu/run.sh
 # A kernel change is judged against a baseline benchmarked in the same run: HF_W4_GPU_BASELINE=DIR names another
 # source tree (e.g. `git archive REV hf_w4 csrc setup.py setup.cfg | tar -x -C DIR`), whose library is built apart
-# and timed by this tree's benchmark, then the two are compared cell by cell. HF_W4_GPU_STAGES="jit-build gpu-wgmma ..."
+# and timed by this tree's benchmark, then the two are compared cell by cell. Several trees, oldest first
+# (HF_W4_GPU_BASELINE="DIR1 DIR2 ..."), say which step of a series made the difference: all build side by side, the
+# first is benchmarked in full and the others with --quick, and each is compared with the next (the last with this
+# tree) as well as the first with this tree. HF_W4_GPU_STAGES="jit-build gpu-wgmma ..."
 # runs only the stages named (and the environment's), e.g. to recheck one change within a short GPU lease.
 set -u
 cd "$(dirname "$0")/../.." || exit 2
@@ -63,16 +66,22 @@ from hf_w4.kernels.cuda_w4a16 import CudaW4A16Kernel
 print("cuda_w4a16.is_supported():", CudaW4A16Kernel.is_supported())
 raise SystemExit(0 if ok else 1)'
 stage jit-build 150 python -c "$JIT_LOAD"
-# The baseline's library (HF_W4_GPU_BASELINE) builds in the background from here, on a few of the CPU cores the tests
-# leave idle, instead of adding its minute or two of compiling to the run; its benchmark waits for it
-BASE_BUILD=
-if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
-  BASE=$(cd "$HF_W4_GPU_BASELINE" && pwd)
-  BASE_ENV=(env PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline)
-  if selected baseline-benchmark; then
-    "${BASE_ENV[@]}" timeout -k 10 400 python -c "$JIT_LOAD" > /tmp/hf_w4_baseline_build.log 2>&1 &
-    BASE_BUILD=$!
-  fi
+# The baselines' libraries (HF_W4_GPU_BASELINE) build from here, in the background and side by side, on the CPU cores
+# the tests leave idle, instead of adding their minute or two of compiling each to the run; their benchmarks wait
+BASES=() BASE_BUILDS=()
+base_env() {  # base_env I: the environment that runs a command on baseline I (its tree and its own build folder)
+  BASE_ENV=(env PYTHONPATH="${BASES[$1]}${PYTHONPATH#"$ROOT"}" HF_W4_CUDA_BUILD_DIR=/tmp/hf_w4_cuda_baseline$1)
+}
+for dir in ${HF_W4_GPU_BASELINE:-}; do
+  [ -d "$dir/hf_w4" ] || { echo "HF_W4_GPU_BASELINE: $dir is not a source tree (no hf_w4 folder)"; exit 2; }
+  BASES+=("$(cd "$dir" && pwd)")
+done
+if selected baseline-benchmark; then
+  for i in "${!BASES[@]}"; do
+    base_env "$i"
+    "${BASE_ENV[@]}" timeout -k 10 400 python -c "$JIT_LOAD" > "/tmp/hf_w4_baseline_build$i.log" 2>&1 &
+    BASE_BUILDS+=($!)
+  done
 fi
 stage host-arithmetic 30 python -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_cuda_w4a16.py -k "not nvcc"
 stage gpu-kernels 90 python -m pytest -q -p no:cacheprovider -rfEs --maxfail=20 tests/gpu/test_gpu_kernels.py -k "not wgmma"
@@ -83,14 +92,27 @@ stage gpu-model-compile-graph 90 python -m pytest -q -p no:cacheprovider -rfEs t
 stage gpu-offload 60 python -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_gpu_offload.py
 BENCH_DIR=${OUT:-/tmp}
 stage benchmark 200 python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench.json"
-if [ -n "${HF_W4_GPU_BASELINE:-}" ]; then
-  if [ -n "$BASE_BUILD" ]; then
-    wait "$BASE_BUILD"
+for i in "${!BASES[@]}"; do
+  if [ -n "${BASE_BUILDS[$i]:-}" ]; then
+    wait "${BASE_BUILDS[$i]}"
     rc=$?
-    echo; echo "=== baseline build (in the background, exit $rc):"; cat /tmp/hf_w4_baseline_build.log
+    echo; echo "=== baseline build of ${BASES[$i]} (in the background, exit $rc):"
+    cat "/tmp/hf_w4_baseline_build$i.log"
   fi
-  stage baseline-benchmark 200 "${BASE_ENV[@]}" python tests/gpu/bench_cuda.py --json "$BENCH_DIR/bench_baseline.json"
-  stage compare 20 python tests/gpu/bench_cuda.py --compare "$BENCH_DIR/bench_baseline.json" "$BENCH_DIR/bench.json"
+  base_env "$i"
+  stage baseline-benchmark 200 "${BASE_ENV[@]}" python tests/gpu/bench_cuda.py $([ "$i" -gt 0 ] && echo --quick) \
+    --json "$BENCH_DIR/bench_baseline$i.json"
+done
+# the first baseline against this tree, then each step of the series
+if [ "${#BASES[@]}" -gt 0 ]; then
+  jsons=()
+  for i in "${!BASES[@]}"; do jsons+=("$BENCH_DIR/bench_baseline$i.json"); done
+  jsons+=("$BENCH_DIR/bench.json")
+  pairs=("${jsons[0]} ${jsons[-1]}")
+  [ "${#BASES[@]}" -gt 1 ] && for i in "${!BASES[@]}"; do pairs+=("${jsons[$i]} ${jsons[$((i + 1))]}"); done
+  for pair in "${pairs[@]}"; do
+    stage compare 20 python tests/gpu/bench_cuda.py --compare $pair
+  done
 fi
 # Nsight Compute: the fused kernel at two decode shapes, the largest (bandwidth) and the smallest (the fixed cost of a
 # call), and the wgmma kernel (sm_90a) at M = 64 and 1024 on the largest and, forced, at M = 64 on the smallest (split

@@ -1,5 +1,6 @@
 """The GPU benchmark's A/B comparison (tests/gpu/bench_cuda.py --compare), which judges kernel changes, runs without
-a GPU: it reads two JSON files of times. Also: tests/gpu/run.sh parses."""
+a GPU: it reads two JSON files of times. Also: tests/gpu/run.sh parses, and runs a series of baselines (GPU commands
+stubbed)."""
 import json
 import subprocess
 import sys
@@ -32,3 +33,43 @@ def test_compare_prints_new_over_base_per_cell(tmp_path):
 
 def test_run_script_parses():
     subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
+
+
+STUB_PYTHON = r'''#!/usr/bin/env bash
+# python for run.sh without a GPU: builds and tests succeed, the benchmark writes times scaled by the file "scale"
+# in the tree first on PYTHONPATH (5 for this tree), --compare runs for real
+case " $* " in
+  *" --compare "*) exec "$REAL_PYTHON" "$@" ;;
+  *bench_cuda.py*)
+    tree=${PYTHONPATH%%:*}; scale=$(cat "$tree/scale" 2>/dev/null || echo 5)
+    case " $* " in *" --quick "*) quick=true ;; *) quick=false ;; esac
+    while [ "$1" != --json ]; do shift; done
+    cell="\"4096x4096 M=1\": {\"i4 bf16\": $scale}"
+    echo "{\"device\": \"quick=$quick\", \"times\": {$cell}, \"tilings\": {}}" > "$2" ;;
+  *) echo "stub python $1 in $HF_W4_CUDA_BUILD_DIR" ;;
+esac
+'''
+
+
+def test_run_script_compares_a_series_of_baselines(tmp_path):
+    """run.sh given three baseline trees (the GPU commands stubbed): each builds in its own folder and is benchmarked,
+    the first in full and the others with --quick; the first is compared with this tree, then each step."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    bases = []
+    for i, scale in enumerate((10, 8, 6)):
+        (tmp_path / f"b{i}" / "hf_w4").mkdir(parents=True)
+        (tmp_path / f"b{i}" / "scale").write_text(str(scale))
+        bases.append(str(tmp_path / f"b{i}"))
+    env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "REAL_PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "HF_W4_GPU_BASELINE": " ".join(bases), "HF_W4_GPU_STAGES": "benchmark baseline-benchmark compare"}
+    subprocess.run(["bash", str(GPU / "run.sh")], env=env, capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "out" / "gpu.log").read_text()
+    for i in range(3):
+        assert f"stub python -c in /tmp/hf_w4_cuda_baseline{i}" in log  # its own build folder
+    ratios = [line.split("|")[1].split()[0] for line in log.splitlines() if line.startswith("     4096x4096 M=1 |")]
+    assert ratios == ["0.500", "0.800", "0.750", "0.833"], log   # b0 -> tree, b0 -> b1, b1 -> b2, b2 -> tree
+    quick = [json.loads((tmp_path / "out" / f"bench_baseline{i}.json").read_text())["device"] for i in range(3)]
+    assert quick == ["quick=false", "quick=true", "quick=true"]
