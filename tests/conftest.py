@@ -90,7 +90,7 @@ H100_SMS = 132  # the emulated kernels are planned for an H100's SMs: the split-
 
 @pytest.fixture(scope="session")
 def cuda_emu(cxx_library):
-    """The CUDA kernels (csrc/cuda/w4a16_gemm.cu) built by g++ against tests/kernels/cuda_emu, a CPU stand-in for
+    """The CUDA kernels (the .cu files of csrc/cuda) built by g++ against tests/kernels/cuda_emu, a CPU stand-in for
     CUDA, as a ctypes library (its exports: tests/kernels/cuda_emu/w4a16_emu.cpp)."""
     flags = ["-std=c++20", "-O1", "-Wall", "-Wno-unknown-pragmas", "-Werror", "-fno-extern-tls-init", "-I", CUDA_EMU,
              "-I", os.path.join(REPO, "csrc", "cuda"), "-I", os.path.join(REPO, "csrc", "cpu")]

@@ -1,8 +1,8 @@
 // Device building blocks of the CUDA W4A16 kernels, shared by the mma.sync kernels (w4a16_mma.cuh), the wgmma
 // kernel (w4a16_wgmma.cuh) and the dequantize kernel (w4a16_gemm.cu): fp16 / bf16 bit arithmetic, the PTX wrappers
 // (cp.async, mma.sync, L2 prefetch, overlapped launches), a lane's tile of weights and scales, the shared-memory
-// chunk ring the kernels stream their weights through, and the store of y. Internal to w4a16_gemm.cu's translation
-// unit (its anonymous namespace). Arithmetic: w4a16_math.cuh.
+// chunk ring the kernels stream their weights through, the store of y; on the host, the launch and the occupancy
+// query. Internal to the translation units of csrc/cuda (an anonymous namespace in each). Arithmetic: w4a16_math.cuh.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -423,6 +423,52 @@ __device__ __forceinline__ void store_y(const GemmArgs& a, int row, int col, flo
   float v = sum * (KIND == kNvfp4 ? a.global_scale * kNvfp4Unscale : a.global_scale);
   if (a.bias) v += A::to_float(static_cast<const uint16_t*>(a.bias)[col]);
   static_cast<uint16_t*>(a.y)[(size_t)row * a.n + col] = A::from_float(v);
+}
+
+// ---- host side
+
+// kernel<<<grid, threads, bytes, stream>>>(args...); `overlap`: its blocks may start while the kernel before it in
+// the stream still runs (programmatic stream serialization; the kernel waits for that one in await_prior_kernel). A
+// launch error stays for cudaGetLastError.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int bytes, cudaStream_t stream, bool overlap,
+                   Args... args) {
+#if defined(HF_W4_CUDA_EMULATE)
+  (void)stream;
+  hf_w4_emu::launch(kernel, grid, dim3(threads), bytes, overlap)(args...);
+#else
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = overlap ? 1 : 0;
+  (void)cudaLaunchKernelEx(&config, kernel, args...);
+#endif
+}
+
+// Blocks of ``threads`` threads of ``kernel`` with ``bytes`` of dynamic shared memory resident per SM (the occupancy
+// API)
+template <class Kernel>
+int resident_blocks(Kernel kernel, int bytes, int threads = 128) {
+  // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
+  // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
+  // hint, so a failure is not an error.
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+    (void)cudaGetLastError();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+      cudaSuccess)
+    (void)cudaGetLastError();
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; plan with one block per SM
+    n = 1;
+  }
+  return n > 0 ? n : 1;
 }
 
 }  // namespace

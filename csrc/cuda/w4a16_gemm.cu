@@ -1,10 +1,10 @@
-// CUDA W4A16 kernels (int4 with group scales / zero points, NVFP4) for sm_80+, one translation unit: the mma.sync
-// kernels for small M (w4a16_mma.cuh), the sm_90a wgmma kernel (w4a16_wgmma.cuh), built on the device building
-// blocks of w4a16_device.cuh; here the dequantize-to-dense kernel for the large-M path (dense GEMM by cuBLAS), the
-// launchers and the plan. No torch headers: the glue in w4a16_torch.cpp passes raw pointers (w4a16_launch.h).
-// Arithmetic: w4a16_math.cuh.
-#include "w4a16_mma.cuh"
-#include "w4a16_wgmma.cuh"
+// CUDA W4A16 kernels (int4 with group scales / zero points, NVFP4) for sm_80+: the plan (which kernel, how split) and
+// the dispatch to the GEMM kernel families (w4a16_kernels.h: the mma.sync kernels for small M, the sm_90a wgmma
+// kernel, each in a translation unit of its own), and the dequantize-to-dense kernel for the large-M path (dense GEMM
+// by cuBLAS). No torch headers: the glue in w4a16_torch.cpp passes raw pointers (w4a16_launch.h). Device building
+// blocks: w4a16_device.cuh; arithmetic: w4a16_math.cuh.
+#include "w4a16_device.cuh"
+#include "w4a16_kernels.h"
 
 namespace hf_w4 {
 namespace cuda {
@@ -55,138 +55,29 @@ __global__ void __launch_bounds__(32 * kDqSteps) w4a16_dequant_kernel(const Gemm
 #endif
 }
 
-// kernel<<<grid, threads, bytes, stream>>>(args...); `overlap`: its blocks may start while the kernel before it in
-// the stream still runs (programmatic stream serialization; the kernel waits for that one in await_prior_kernel). A
-// launch error stays for cudaGetLastError.
-template <class... Params, class... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int bytes, cudaStream_t stream, bool overlap,
-                   Args... args) {
-#if defined(HF_W4_CUDA_EMULATE)
-  (void)stream;
-  hf_w4_emu::launch(kernel, grid, dim3(threads), bytes, overlap)(args...);
-#else
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = overlap ? 1 : 0;
-  (void)cudaLaunchKernelEx(&config, kernel, args...);
-#endif
-}
-
-template <int MT, int MR, bool BF16, int KIND, bool WIDE>
-void launch_gemm(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  if constexpr (WIDE) {
-    const dim3 grid(p.mblocks, (p.ntiles + 3) / 4, p.splits);
-    launch_kernel(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, grid, 128, wide_ring_bytes<MT, MR, KIND>(), stream,
-                  p.overlap, a, p.ntiles, p.splits, p.steps_per_split);
-  } else {
-    const dim3 grid(p.mblocks, p.ntiles, p.splits);
-    launch_kernel(w4a16_gemm_kernel<MT, MR, BF16, KIND>, grid, 128, ring_bytes<MT, MR, KIND>(), stream, p.overlap, a,
-                  p.ntiles, p.splits, p.steps_per_split);
-  }
-}
-
-// Blocks of ``threads`` threads of ``kernel`` with ``bytes`` of dynamic shared memory resident per SM (the occupancy
-// API)
-template <class Kernel>
-int resident_blocks(Kernel kernel, int bytes, int threads = 128) {
-  // The ring is dynamic shared memory (above 48 KB at MT = 2: needs the opt-in; a failure shows at the launch).
-  // Prefer shared memory over L1, so that the occupancy the split-K plan assumes is the one the launches get; only a
-  // hint, so a failure is not an error.
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
-    (void)cudaGetLastError();
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
-      cudaSuccess)
-    (void)cudaGetLastError();
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, bytes) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; plan with one block per SM
-    n = 1;
-  }
-  return n > 0 ? n : 1;
-}
-
-template <int MT, int MR, bool BF16, int KIND, bool WIDE>
-int blocks_per_sm() {
-  if constexpr (WIDE)
-    return resident_blocks(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, wide_ring_bytes<MT, MR, KIND>());
-  else
-    return resident_blocks(w4a16_gemm_kernel<MT, MR, BF16, KIND>, ring_bytes<MT, MR, KIND>());
-}
-
-// the instantiated tilings: (MT, MR) = (1, 8), (1, 16), (2, 16), (4, 16), each plain (0-3) or wide (4-7), and the
-// wgmma kernel's (8, 9: 4 warpgroups x 64 or 128 rows; its plans have mt = rows / 16)
-constexpr int kTilings = 4, kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 2;
-constexpr int kWgmmaWarpgroups = 4;
+// the tilings of the plans: the mma.sync kernels' (0-3, mma_tiling), plain or wide (+ kTilings), and the wgmma
+// kernel's (+ 0 / 1: 64 or 128 rows; its plans have mt = rows / 16)
+constexpr int kWgmmaTiling = 2 * kTilings, kAllTilings = kWgmmaTiling + 2;
 int tiling(int mt, int mr, bool wide, bool wgmma = false) {
   if (wgmma) return kWgmmaTiling + (mt == 4 ? 0 : 1);
-  return (mt == 4 ? 3 : (mt == 2 ? 2 : (mr == 8 ? 0 : 1))) + (wide ? kTilings : 0);
+  return mma_tiling(mt, mr) + (wide ? kTilings : 0);
 }
 
-template <bool BF16, int KIND, bool WIDE>
-int blocks_per_sm_tiling(int t) {
-  switch (t) {
-    case 0: return blocks_per_sm<1, 8, BF16, KIND, WIDE>();
-    case 1: return blocks_per_sm<1, 16, BF16, KIND, WIDE>();
-    case 2: return blocks_per_sm<2, 16, BF16, KIND, WIDE>();
-    default: return blocks_per_sm<4, 16, BF16, KIND, WIDE>();
-  }
-}
 // Rows of x per wgmma block for M rows: 64 up to M = 64 (no half-empty blocks), else 128 (64-row blocks were slower
 // above M = 64 on every layer the rule takes the kernel for)
 int wgmma_rows_for(int m) { return m <= 64 ? 64 : 128; }
 
-// f(Int<ROWS>{}) for wgmma tiling t
-template <int V>
-struct Int {
-  static constexpr int value = V;
-};
-template <class F>
-auto with_wgmma_tiling(int t, F&& f) {
-  return t == kWgmmaTiling ? f(Int<64>{}) : f(Int<128>{});
-}
-
 template <bool BF16, int KIND>
 int blocks_per_sm_any(int t) {
-  if (t >= kWgmmaTiling)
-    return with_wgmma_tiling(t, [](auto rows) {
-      constexpr int NWG = kWgmmaWarpgroups, ROWS = decltype(rows)::value;
-      return resident_blocks(w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>, wg_ring_bytes<KIND, NWG, ROWS>(), 128 * NWG);
-    });
-  return t >= kTilings ? blocks_per_sm_tiling<BF16, KIND, true>(t - kTilings)
-                       : blocks_per_sm_tiling<BF16, KIND, false>(t);
-}
-
-template <bool BF16, int KIND, bool WIDE>
-void launch_gemm_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  switch (tiling(p.mt, p.mr, false)) {
-    case 0: launch_gemm<1, 8, BF16, KIND, WIDE>(a, p, stream); break;
-    case 1: launch_gemm<1, 16, BF16, KIND, WIDE>(a, p, stream); break;
-    case 2: launch_gemm<2, 16, BF16, KIND, WIDE>(a, p, stream); break;
-    default: launch_gemm<4, 16, BF16, KIND, WIDE>(a, p, stream); break;
-  }
-}
-template <bool BF16, int KIND>
-void launch_wgmma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
-  with_wgmma_tiling(tiling(p.mt, p.mr, false, true), [&](auto rows) {
-    constexpr int NWG = kWgmmaWarpgroups, ROWS = decltype(rows)::value;
-    const dim3 grid(p.mblocks, (p.ntiles + NWG - 1) / NWG, p.splits);
-    launch_kernel(w4a16_wgmma_kernel<BF16, KIND, NWG, ROWS>, grid, 128 * NWG, wg_ring_bytes<KIND, NWG, ROWS>(),
-                  stream, p.overlap, a, p.ntiles, p.splits, p.steps_per_split);
-  });
+  if (t >= kWgmmaTiling) return wgmma_blocks_per_sm<BF16, KIND>(t == kWgmmaTiling ? 64 : 128);
+  return t >= kTilings ? mma_blocks_per_sm<BF16, KIND, true>(t - kTilings) : mma_blocks_per_sm<BF16, KIND, false>(t);
 }
 
 template <bool BF16, int KIND>
 void launch_gemm_any(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
   if (p.wgmma) launch_wgmma<BF16, KIND>(a, p, stream);
-  else if (p.wide) launch_gemm_tiling<BF16, KIND, true>(a, p, stream);
-  else launch_gemm_tiling<BF16, KIND, false>(a, p, stream);
+  else if (p.wide) launch_mma<BF16, KIND, true>(a, p, stream);
+  else launch_mma<BF16, KIND, false>(a, p, stream);
 }
 
 template <bool BF16>

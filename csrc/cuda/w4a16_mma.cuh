@@ -1,8 +1,10 @@
 // The mma.sync kernels (sm_80+): the fused dequantize + mma.m16n8k16 kernel for small M (w4a16_gemm_kernel: 4 warps,
 // each streaming its own chunks of one 64-column tile) and its wide variant (w4a16_gemm_wide_kernel: 4 warps on 4
-// tiles, sharing the staged rows of x). Internal to w4a16_gemm.cu's translation unit.
+// tiles, sharing the staged rows of x), and their launch (launch_mma, mma_blocks_per_sm), instantiated by
+// w4a16_mma.cu and w4a16_wide.cu.
 #pragma once
 #include "w4a16_device.cuh"
+#include "w4a16_kernels.h"
 
 namespace hf_w4 {
 namespace cuda {
@@ -337,6 +339,49 @@ __global__ void __launch_bounds__(128, wide_min_blocks<MT>())
 #endif
 }
 
+// ---- host side
+template <int MT, int MR, bool BF16, int KIND, bool WIDE>
+void launch_tiling(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  if constexpr (WIDE) {
+    const dim3 grid(p.mblocks, (p.ntiles + 3) / 4, p.splits);
+    launch_kernel(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, grid, 128, wide_ring_bytes<MT, MR, KIND>(), stream,
+                  p.overlap, a, p.ntiles, p.splits, p.steps_per_split);
+  } else {
+    const dim3 grid(p.mblocks, p.ntiles, p.splits);
+    launch_kernel(w4a16_gemm_kernel<MT, MR, BF16, KIND>, grid, 128, ring_bytes<MT, MR, KIND>(), stream, p.overlap, a,
+                  p.ntiles, p.splits, p.steps_per_split);
+  }
+}
+
+template <int MT, int MR, bool BF16, int KIND, bool WIDE>
+int tiling_blocks_per_sm() {
+  if constexpr (WIDE)
+    return resident_blocks(w4a16_gemm_wide_kernel<MT, MR, BF16, KIND>, wide_ring_bytes<MT, MR, KIND>());
+  else
+    return resident_blocks(w4a16_gemm_kernel<MT, MR, BF16, KIND>, ring_bytes<MT, MR, KIND>());
+}
+
 }  // namespace
+
+template <bool BF16, int KIND, bool WIDE>
+void launch_mma(const GemmArgs& a, const GemmPlan& p, cudaStream_t stream) {
+  switch (mma_tiling(p.mt, p.mr)) {
+    case 0: launch_tiling<1, 8, BF16, KIND, WIDE>(a, p, stream); break;
+    case 1: launch_tiling<1, 16, BF16, KIND, WIDE>(a, p, stream); break;
+    case 2: launch_tiling<2, 16, BF16, KIND, WIDE>(a, p, stream); break;
+    default: launch_tiling<4, 16, BF16, KIND, WIDE>(a, p, stream); break;
+  }
+}
+
+template <bool BF16, int KIND, bool WIDE>
+int mma_blocks_per_sm(int tiling) {
+  switch (tiling) {
+    case 0: return tiling_blocks_per_sm<1, 8, BF16, KIND, WIDE>();
+    case 1: return tiling_blocks_per_sm<1, 16, BF16, KIND, WIDE>();
+    case 2: return tiling_blocks_per_sm<2, 16, BF16, KIND, WIDE>();
+    default: return tiling_blocks_per_sm<4, 16, BF16, KIND, WIDE>();
+  }
+}
+
 }  // namespace cuda
 }  // namespace hf_w4

@@ -1,7 +1,8 @@
 // The Hopper kernel (sm_90a only): wgmma.mma_async with the dequantized weights as the A operand from registers, for
-// M from 64 on large layers. Internal to w4a16_gemm.cu's translation unit.
+// M from 64 on large layers; launched by w4a16_wgmma.cu.
 #pragma once
 #include "w4a16_device.cuh"
+#include "w4a16_kernels.h"
 
 namespace hf_w4 {
 namespace cuda {
@@ -17,10 +18,6 @@ namespace {
 // of weights per warpgroup and k16 step), so the L2 traffic per mma falls almost NWG-fold. Built with NWG = 4 and
 // ROWS = 64 or 128: on an H100 blocks of 1 or 2 warpgroups (and 256 rows, which only they can hold) were slower at
 // every shape and M measured. The body exists only in sm_90a code.
-// k16 steps per chunk: one per warp of a warpgroup, each of whose threads copies one 16-byte piece of weights per
-// chunk; twice the fused kernels' chunk, so the block-wide barrier, the proxy fence and the copies' bookkeeping come
-// once per four wgmma of a warpgroup
-constexpr int kWgSteps = 4;
 // Chunks in the block's ring: WS - 2 in flight while one is computed and the previous one's last wgmmas may still
 // read its slot. One block runs per SM (registers), and its weights stream from DRAM at (bytes in flight) / latency:
 // at ~1.5 us an SM's share of the H100's bandwidth (25 GB/s) needs ~38 KB of weights in flight, 19 k16 steps of 4

@@ -1,4 +1,4 @@
-"""The CUDA kernels of csrc/cuda/w4a16_gemm.cu run on the CPU: g++ builds the file against tests/kernels/cuda_emu (a
+"""The CUDA kernels of csrc/cuda run on the CPU: g++ builds its .cu files against tests/kernels/cuda_emu (a
 stand-in for the CUDA runtime, the intrinsics and the kernels' PTX: one fiber per thread, mma.sync and shuffles as
 warp collectives, barriers that wait for every live thread) and the fused and dequantize kernels run on buffers the
 layer's own repack wrote. What this checks on machines without a GPU: the kernels' indexing, work split, ring of
@@ -199,7 +199,7 @@ def faults(cxx_library):
 def test_copies_landing_at_issue_expose_a_refill_race(faults):
     """A kernel whose threads refill shared memory that a neighbour reads before any barrier: with the copies landing
     at the wait (the default) every read sees the old bytes, landing when issued some see the new ones; so a kernel
-    of w4a16_gemm.cu with such a race would give other bits in the test below."""
+    of csrc/cuda with such a race would give other bits in the test below."""
     assert faults.hf_w4_emu_refill_race(0) == 0
     assert 0 < faults.hf_w4_emu_refill_race(1) < 32
 

@@ -1,5 +1,5 @@
-// A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that csrc/cuda/w4a16_gemm.cu (and the
-// .cuh files it includes) uses, so that g++ can build the kernels unchanged (the code takes HF_W4_CUDA_EMULATE
+// A CPU stand-in for the parts of the CUDA runtime, device intrinsics and PTX that the .cu files of csrc/cuda (and
+// the .cuh files they include) use, so that g++ can build the kernels unchanged (the code takes HF_W4_CUDA_EMULATE
 // branches only for its inline PTX, its launches and one check of the stores of y) and tests/kernels/
 // test_cuda_emulated.py can run them on machines without a GPU. Found before the toolkit's headers through the
 // include path, as are cuda_fp16.h / cuda_bf16.h of this folder.
@@ -364,7 +364,7 @@ auto launch(K kernel, dim3 grid, dim3 blk, size_t smem, bool overlap = false) {
   };
 }
 
-// ---- the PTX of w4a16_gemm.cu
+// ---- the PTX of the kernels
 inline uint4 ld_stream(const int32_t* p) {
   require_awaited("a load");
   uint4 r;
@@ -551,7 +551,7 @@ T __hfma2(T a, T b, T c) {
   return hf_w4_emu::lanewise(a, b, c, [](float x, float y, float z) { return std::fmaf(x, y, z); });
 }
 
-// the kernels' dynamic shared memory (extern __shared__ uint4 smem[] in w4a16_gemm.cu's namespace)
+// the kernels' dynamic shared memory (extern __shared__ uint4 smem[] in the kernels' namespace)
 namespace hf_w4 {
 namespace cuda {
 namespace {

@@ -1,6 +1,6 @@
 // Kernels that break the rules the CUDA stand-in (cuda_runtime.h) checks, one per case, as a ctypes library for
 // tests/kernels/test_cuda_emulated.py: each launch must come back with the stand-in's error, not a crash and not
-// silence, so a kernel of w4a16_gemm.cu that broke the same rule would fail its tests the same way.
+// silence, so a kernel of csrc/cuda that broke the same rule would fail its tests the same way.
 #include "cuda_runtime.h"
 
 #include <cstdint>

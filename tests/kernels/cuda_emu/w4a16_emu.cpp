@@ -1,4 +1,4 @@
-// csrc/cuda/w4a16_gemm.cu built for the CPU against this folder's stand-in for CUDA (cuda_runtime.h), as a ctypes
+// The .cu files of csrc/cuda built for the CPU against this folder's stand-in for CUDA (cuda_runtime.h), as a ctypes
 // library for tests/kernels/test_cuda_emulated.py: the fused kernel and the dequantize kernel on host buffers. Every
 // buffer the kernels get is a copy that ends where an inaccessible page begins, so a read or write past its end
 // faults instead of touching a neighbour's bytes.
@@ -9,6 +9,10 @@
 
 #include <vector>
 
+// the kernel families first: w4a16_gemm.cu calls their launchers
+#include "w4a16_mma.cu"
+#include "w4a16_wide.cu"
+#include "w4a16_wgmma.cu"
 #include "w4a16_gemm.cu"
 
 using namespace hf_w4::cuda;
