@@ -78,6 +78,9 @@ VARIABLES = (
              "compute capability 9.x / 10.x); read on every call"),
     Variable("HF_W4_BENCH_PEAK_TBS", "tests", "TB/s", "tests/gpu/bench_cuda.py: the memory bandwidth of a GPU it "
              "does not know, for its %-of-bandwidth column"),
+    Variable("HF_W4_GPU_BASELINE", "tests", "directories", "tests/gpu/run.sh: other source trees (oldest first) "
+             "benchmarked in the same run and compared with this one"),
+    Variable("HF_W4_GPU_STAGES", "tests", "stage names", "tests/gpu/run.sh: run only these stages"),
     Variable("HF_W4_NO_CUDA", "build", "1", "`setup.py`: build the CPU library only, even with a CUDA torch"),
     Variable("HF_W4_QUICK", "notebook", "1", "notebooks/evaluate.ipynb: the short run (as CI runs it)"),
     Variable("HF_W4_SIMDE_INCLUDE", "tests", "a directory", "SIMDe's headers for the emulated AVX-512 build "
