@@ -73,3 +73,11 @@ def test_run_script_compares_a_series_of_baselines(tmp_path):
     assert ratios == ["0.500", "0.800", "0.750", "0.833"], log   # b0 -> tree, b0 -> b1, b1 -> b2, b2 -> tree
     quick = [json.loads((tmp_path / "out" / f"bench_baseline{i}.json").read_text())["device"] for i in range(3)]
     assert quick == ["quick=false", "quick=true", "quick=true"]
+
+
+def test_run_script_refuses_a_baseline_that_is_not_a_source_tree(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run(["bash", str(GPU / "run.sh")], env={"PATH": "/usr/bin:/bin", "HF_W4_GPU_STAGES": "compare",
+                                                           "HF_W4_GPU_BASELINE": str(tmp_path / "empty")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"HF_W4_GPU_BASELINE: {tmp_path / 'empty'} is not a source tree" in r.stdout, r
